@@ -1,0 +1,60 @@
+"""Typed errors raised by every engine (native, vLLM-backed, simulated).
+
+Each error is raised *before* the engine changes any state, so a caller can
+catch it and go on using the engine as if the call had never been made.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of all engine errors."""
+
+
+class ContextNotFound(EngineError, KeyError):
+    """The context id is unknown or was freed."""
+
+    def __init__(self, context_id: object):
+        super().__init__(f"context {context_id!r} does not exist (never filled, or already freed)")
+        self.context_id = context_id
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return self.args[0]
+
+
+class ContextExists(EngineError):
+    """A fork was asked into a context id that is already in use."""
+
+
+class ContextHasChildren(EngineError):
+    """A parent context cannot be freed while forked children still share its KV."""
+
+
+class ContextBusy(EngineError):
+    """The context is generating (or paused) and cannot take this call now."""
+
+
+class InvalidTokens(EngineError, ValueError):
+    """Token ids outside the vocabulary, or an empty token list where one is required."""
+
+
+class ContextTooLong(EngineError, ValueError):
+    """The context would exceed the model's context length or the whole KV cache."""
+
+
+class InvalidSampling(EngineError, ValueError):
+    """Sampling parameters out of range."""
+
+
+class EngineClosed(EngineError):
+    """The engine was shut down."""
+
+
+class InvalidContextState(EngineError):
+    """The call does not fit the context's state (e.g. resume of a context
+    that is not paused, pause of one that is not generating)."""
+
+
+class KVCacheExhausted(EngineError):
+    """The KV cache is held by idle or paused contexts and nothing running can
+    be preempted to make room: free some contexts."""

@@ -1,0 +1,499 @@
+"""The native engine: Fill / Generate / FreeContext / pause / resume over a
+paged, shareable KV cache, with continuous batching.
+
+All engine state (contexts, blocks, the running batch) belongs to one engine
+thread, so a forward pass never blocks the asyncio event loop that serves
+HTTP.  The public coroutines send a command to that thread and await its
+future; each command validates everything first and raises a typed error
+before changing anything, so a failed call leaves the engine as it was.
+Token events travel back with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Dict, Hashable, List, Optional, Sequence
+
+import torch
+
+from .. import errors as E
+from ..policies.interception import AlwaysPreserve, Handling, InterceptedContext, InterceptionPolicy
+from ..policies.ranking import FCFS, RankingPolicy
+from ..protocol import PauseHint, SamplingParams, TokenEvent
+from .block_manager import BlockManager
+from .loader import load_config, load_model, resolve_model_dir
+from .model_runner import ModelRunner
+from .models.llama import LlamaForCausalLM
+from .sampler import sample
+from .scheduler import Batch, Scheduler
+from .sequence import Context, Generation, State
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class NativeEngine:
+    """Implements :class:`interlace.engine_ext.protocol.Engine`.
+
+    Build it from a model path (HF directory or GGUF) with :meth:`load`, or
+    from an in-memory model with the constructor (tests use tiny random ones).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Optional[Tokenizer] = None, *,
+                 block_size: int = 16, num_blocks: Optional[int] = None, kv_cache_tokens: int = 16384,
+                 max_batched_tokens: int = 512, max_seqs: int = 256, max_model_len: Optional[int] = None,
+                 kv_dtype: Optional[torch.dtype] = None, interception: Optional[InterceptionPolicy] = None,
+                 ranking: Optional[RankingPolicy] = None, eos_token_ids: Sequence[int] = (),
+                 name: str = "model"):
+        self.model = model
+        self.cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.block_size = block_size
+        num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
+        self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, num_blocks * block_size)
+        self.vocab_size = self.cfg.vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, ranking or FCFS(), max_batched_tokens, max_seqs)
+        self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype or next(model.parameters()).dtype,
+                                  self.device)
+        self.interception = interception or AlwaysPreserve()
+        self.contexts: Dict[Hashable, Context] = {}
+        self.ready: List[Context] = []  # generating, all computed: sample from last_logits next step
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0}
+        self._cmds: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="interlace-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, model_path: str | Path, *, dtype: str = "float32", device: Optional[str] = None,
+             **kw: Any) -> "NativeEngine":
+        model_dir = resolve_model_dir(model_path)
+        raw, _ = load_config(model_dir)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        model = load_model(model_dir, DTYPES[dtype], dev)
+        tok = Tokenizer(model_dir, raw) if (Path(model_dir) / "tokenizer.json").exists() else None
+        kw.setdefault("name", Path(model_dir).name)
+        return cls(model, tok, **kw)
+
+    # ================================================================ public API
+    async def fill(self, context_id: Hashable, token_ids: Sequence[int],
+                   parent_context_id: Optional[Hashable] = None) -> int:
+        return await self._call(self._cmd_fill, context_id, list(token_ids), parent_context_id)
+
+    async def generate(self, context_id: Hashable, sampling: Optional[SamplingParams] = None,
+                       parent_context_id: Optional[Hashable] = None) -> AsyncIterator[TokenEvent]:
+        sampling = sampling or SamplingParams()
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def emit(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is gone
+                pass
+
+        gen = await self._call(self._cmd_generate, context_id, sampling, parent_context_id, emit)
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished and not self._closed:  # consumer stopped early: stop decoding at once
+                self._cmds.put((lambda fut: fut.set_result(self._abort(context_id, gen)), None))
+
+    async def free_context(self, context_id: Hashable) -> None:
+        await self._call(self._cmd_free, context_id)
+
+    async def pause(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
+        await self._call(self._cmd_pause, context_id, hint)
+
+    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
+        await self._call(self._cmd_resume, context_id, list(token_ids))
+
+    async def check_invariants(self) -> dict:
+        """Verify block and context bookkeeping; returns usage counts."""
+        return await self._call(self._cmd_check)
+
+    async def context_length(self, context_id: Hashable) -> int:
+        return await self._call(lambda fut: fut.set_result(len(self._get(context_id).token_ids)))
+
+    async def context_tokens(self, context_id: Hashable) -> List[int]:
+        return await self._call(lambda fut: fut.set_result(list(self._get(context_id).token_ids)))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._cmds.put(None)
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "NativeEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ============================================================ engine thread
+    async def _call(self, fn: Callable, *args: Any) -> Any:
+        if self._closed:
+            raise E.EngineClosed("the engine is closed")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((lambda f: fn(f, *args), fut))
+        return await asyncio.wrap_future(fut)
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            busy = self.scheduler.has_work() or bool(self.ready)
+            try:
+                item = self._cmds.get(block=not busy)
+            except queue.Empty:
+                item = ()
+            while item != ():
+                if item is None:
+                    self._shutdown()
+                    return
+                fn, fut = item
+                fut = fut or concurrent.futures.Future()
+                try:
+                    fn(fut)
+                except BaseException as e:  # validation errors go to the caller
+                    if not fut.done():
+                        fut.set_exception(e)
+                try:
+                    item = self._cmds.get_nowait()
+                except queue.Empty:
+                    item = ()
+            try:
+                self._step()
+            except Exception as e:  # a bug must not kill the engine silently
+                log.exception("engine step failed")
+                for ctx in list(self.scheduler.active) + list(self.ready):
+                    self._fail(ctx, e)
+
+    def _shutdown(self) -> None:
+        for ctx in list(self.contexts.values()):
+            if ctx.gen is not None and not ctx.gen.done:
+                self._finish(ctx, "abort")
+            for w, _, _ in ctx.fill_waiters:
+                if not w.done():
+                    w.set_exception(E.EngineClosed("the engine was closed"))
+
+    # ---------------------------------------------------------------- commands
+    def _get(self, cid: Hashable) -> Context:
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            raise E.ContextNotFound(cid)
+        return ctx
+
+    def _check_tokens(self, tokens: List[int], allow_empty: bool) -> None:
+        if not allow_empty and not tokens:
+            raise E.InvalidTokens("token_ids must not be empty")
+        for t in tokens:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise E.InvalidTokens(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_len(self, n: int) -> None:
+        if n > self.max_model_len:
+            raise E.ContextTooLong(f"context of {n} tokens exceeds the limit of {self.max_model_len} tokens")
+
+    def _new_context(self, cid: Hashable, parent_id: Optional[Hashable]) -> Context:
+        """Validate-only part of creating a context; returns the parent or None."""
+        if cid in self.contexts:
+            raise E.ContextExists(f"context {cid!r} already exists; fork into a new id")
+        return self._get(parent_id) if parent_id is not None else None
+
+    def _fork(self, cid: Hashable, parent: Context) -> Context:
+        child = Context(cid, list(parent.token_ids), self.blocks.fork(parent.table), parent.num_computed,
+                        parent=parent, last_logits=parent.last_logits)
+        parent.children.add(child)
+        self.contexts[cid] = child
+        return child
+
+    def _cmd_fill(self, fut, cid, tokens, parent_id) -> None:
+        ctx = self.contexts.get(cid)
+        created = parent_id is not None or ctx is None
+        if created:
+            parent = self._new_context(cid, parent_id)
+            self._check_tokens(tokens, allow_empty=parent is not None)
+            base = len(parent.token_ids) if parent else 0
+            self._check_len(base + len(tokens))
+            ctx = self._fork(cid, parent) if parent else Context(cid, [])
+            self.contexts[cid] = ctx
+        else:
+            if ctx.state is not State.IDLE:
+                raise E.ContextBusy(f"context {cid!r} is {ctx.state.value}; fill it when idle (or resume it)")
+            self._check_tokens(tokens, allow_empty=True)
+            self._check_len(len(ctx.token_ids) + len(tokens))
+        rollback = len(ctx.token_ids)
+        ctx.token_ids += tokens
+        if ctx.num_uncomputed:
+            ctx.last_logits = None
+            ctx.fill_waiters.append((fut, rollback, created))
+            self.scheduler.add(ctx)
+        else:
+            fut.set_result(len(ctx.token_ids))
+
+    def _cmd_generate(self, fut, cid, sampling: SamplingParams, parent_id, emit) -> None:
+        sampling.validate()
+        if (sampling.stop or sampling.pause_on) and self.tokenizer is None:
+            raise E.InvalidSampling("stop and pause_on strings need an engine with a tokenizer")
+        if parent_id is not None:
+            parent = self._new_context(cid, parent_id)
+            if not parent.token_ids:
+                raise E.InvalidContextState(f"context {parent_id!r} is empty")
+            ctx = None
+        else:
+            ctx = self._get(cid)
+            if ctx.state is not State.IDLE:
+                raise E.ContextBusy(f"context {cid!r} is already {ctx.state.value}")
+            parent = None
+        n = len((parent or ctx).token_ids)
+        if n >= self.max_model_len:
+            raise E.ContextTooLong(f"context of {n} tokens leaves no room to generate "
+                                   f"(limit {self.max_model_len})")
+        if ctx is None:
+            ctx = self._fork(cid, parent)
+        rng = None
+        if not sampling.greedy:
+            rng = torch.Generator(device="cpu")
+            rng.manual_seed(sampling.seed if sampling.seed is not None
+                            else int.from_bytes(os.urandom(8), "little") >> 1)
+        detok = IncrementalDetokenizer(self.tokenizer, ctx.token_ids) if self.tokenizer else None
+        ctx.gen = Generation(sampling, emit, detok, rng)
+        self._activate(ctx)
+        fut.set_result(ctx.gen)
+
+    def _activate(self, ctx: Context) -> None:
+        if ctx.num_uncomputed == 0 and ctx.last_logits is not None:
+            self.ready.append(ctx)
+        else:
+            if ctx.num_uncomputed == 0:  # no logits kept: recompute the last position
+                self.scheduler.preempt(ctx)
+            self.scheduler.add(ctx)
+
+    def _cmd_free(self, fut, cid) -> None:
+        ctx = self._get(cid)
+        live = [c.id for c in ctx.children]
+        if live:
+            raise E.ContextHasChildren(f"context {cid!r} has live forked children {live[:5]!r}; free them first")
+        if ctx.gen is not None:
+            self._finish(ctx, "abort")
+        for w, _, _ in ctx.fill_waiters:
+            if not w.done():
+                w.set_exception(E.ContextNotFound(cid))
+        ctx.fill_waiters.clear()
+        self._drop(ctx)
+        fut.set_result(None)
+
+    def _drop(self, ctx: Context) -> None:
+        self.scheduler.remove(ctx)
+        self.blocks.release(ctx.table)
+        if ctx.parent is not None:
+            ctx.parent.children.discard(ctx)
+        del self.contexts[ctx.id]
+
+    def _abort(self, cid, gen: Generation) -> None:
+        ctx = self.contexts.get(cid)
+        if ctx is not None and ctx.gen is gen:
+            self._finish(ctx, "abort", emit=False)
+
+    def _cmd_pause(self, fut, cid, hint: Optional[PauseHint]) -> None:
+        ctx = self._get(cid)
+        if ctx.state is not State.GENERATING:
+            raise E.InvalidContextState(f"context {cid!r} is {ctx.state.value}, not generating")
+        self._pause(ctx, hint)
+        fut.set_result(None)
+
+    def _pause(self, ctx: Context, hint: Optional[PauseHint], token_event: Optional[TokenEvent] = None) -> None:
+        hint = hint or PauseHint()
+        handling = self.interception.decide(InterceptedContext(
+            context_len=len(ctx.token_ids), num_blocks=len(ctx.table.blocks),
+            expected_duration_s=hint.expected_duration_s, tool=hint.tool))
+        self.scheduler.remove(ctx)
+        if ctx in self.ready:
+            self.ready.remove(ctx)
+        if handling is Handling.DISCARD:
+            self.scheduler.preempt(ctx)  # blocks released; full ones stay in the prefix cache
+        elif handling is Handling.SWAP:
+            log.warning("the native engine does not swap yet; preserving context %r", ctx.id)
+        ctx.gen.paused = True
+        ev = token_event or TokenEvent(None, "")
+        ctx.gen.emit(TokenEvent(ev.token_id, ev.text, ev.logprob, None, paused=True))
+
+    def _cmd_resume(self, fut, cid, tokens: List[int]) -> None:
+        ctx = self._get(cid)
+        if ctx.state is not State.PAUSED:
+            raise E.InvalidContextState(f"context {cid!r} is {ctx.state.value}, not paused")
+        self._check_tokens(tokens, allow_empty=True)
+        self._check_len(len(ctx.token_ids) + len(tokens) + 1)
+        ctx.token_ids += tokens
+        if tokens:
+            ctx.last_logits = None
+        gen = ctx.gen
+        gen.paused = False
+        if gen.detok is not None:
+            gen.detok.reset_context(ctx.token_ids)
+        gen.tail = ""
+        self._activate(ctx)
+        fut.set_result(None)
+
+    def _cmd_check(self, fut) -> None:
+        tables = [c.table for c in self.contexts.values()]
+        self.blocks.check_invariants(tables)
+        for c in self.contexts.values():
+            assert c.num_computed <= len(c.token_ids)
+            assert len(c.table.blocks) >= self.blocks.blocks_for(c.num_computed)
+            assert all(ch.parent is c and ch.id in self.contexts for ch in c.children)
+        fut.set_result({"contexts": len(self.contexts), "used_blocks": self.blocks.num_used,
+                        "free_blocks": self.blocks.num_free, "cached_blocks": len(self.blocks.evictable),
+                        "preemptions": self.scheduler.num_preemptions, **self.blocks.stats})
+
+    # -------------------------------------------------------------------- step
+    def _step(self) -> None:
+        if self.ready:
+            ready, self.ready = self.ready, []
+            self._sample_and_emit(ready, torch.stack([c.last_logits for c in ready]))
+        batch = self.scheduler.schedule()
+        for ctx, err in batch.failed:
+            self._fail(ctx, err)
+        if not batch.chunks:
+            return
+        t0 = time.perf_counter()
+        logits, rows = self.runner.run(batch)
+        self.stats["forward_s"] += time.perf_counter() - t0
+        self.stats["steps"] += 1
+        for ch in batch.chunks:
+            ctx = ch.ctx
+            ctx.num_computed += ch.num
+            self.blocks.seal_full_blocks(ctx.table, ctx.token_ids, ctx.num_computed)
+            self.stats["decode_tokens" if ch.num == 1 and ch.start > 0 else "prefill_tokens"] += ch.num
+        sampling_ctx, sampling_rows = [], []
+        for r, ci in enumerate(rows):
+            ctx = batch.chunks[ci].ctx
+            if ctx.state is State.GENERATING:
+                sampling_ctx.append(ctx)
+                sampling_rows.append(r)
+            else:
+                ctx.last_logits = logits[r].clone()
+                self.scheduler.remove(ctx)
+            for w, _, _ in ctx.fill_waiters:
+                if not w.done():
+                    w.set_result(len(ctx.token_ids))
+            ctx.fill_waiters.clear()
+        if sampling_ctx:
+            self._sample_and_emit(sampling_ctx, logits[sampling_rows])
+
+    def _sample_and_emit(self, ctxs: List[Context], logits: torch.Tensor) -> None:
+        picks = sample(logits, [c.gen for c in ctxs])
+        for ctx, (tok, lp), row in zip(ctxs, picks, logits):
+            gen = ctx.gen
+            ctx.token_ids.append(tok)
+            gen.generated.append(tok)
+            ctx.last_logits = None
+            self._on_token(ctx, tok, lp)
+
+    def _on_token(self, ctx: Context, tok: int, lp: Optional[float]) -> None:
+        gen = ctx.gen
+        sp = gen.sampling
+        is_eos = (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids
+        delta = gen.detok.add(tok) if gen.detok is not None and not is_eos else ""
+        text = gen.held + delta
+        gen.held = ""
+        finish = "stop" if is_eos else None
+        stopped_by_string = False
+        if finish is None and sp.stop:
+            hits = [(text.find(s), s) for s in sp.stop if s in text]
+            if hits:
+                text = text[:min(hits)[0]]
+                finish, stopped_by_string = "stop", True
+            else:
+                keep = _held_suffix(text, sp.stop)
+                if keep:
+                    text, gen.held = text[:-keep], text[-keep:]
+        if finish is None and (len(gen.generated) >= sp.max_tokens or len(ctx.token_ids) >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            if not stopped_by_string:  # what was held back was not a stop string after all
+                text += gen.held + (gen.detok.flush() if gen.detok else "")
+            self._finish(ctx, finish, TokenEvent(tok, text, lp, finish))
+            return
+        if sp.pause_on:
+            window = gen.tail + delta
+            hit = any(s in window and window.rfind(s) + len(s) > len(gen.tail) for s in sp.pause_on)
+            gen.tail = window[-max(len(s) for s in sp.pause_on):]
+            if hit:
+                text += gen.held
+                gen.held = ""
+                self._pause(ctx, PauseHint(), TokenEvent(tok, text, lp))
+                return
+        gen.emit(TokenEvent(tok, text, lp))
+        if ctx not in self.scheduler.active:
+            self.scheduler.add(ctx)
+
+    def _finish(self, ctx: Context, reason: str, event: Optional[TokenEvent] = None, emit: bool = True) -> None:
+        gen = ctx.gen
+        gen.done = True
+        ctx.gen = None
+        self.scheduler.remove(ctx)
+        if ctx in self.ready:
+            self.ready.remove(ctx)
+        if emit:
+            gen.emit(event or TokenEvent(None, "", None, reason))
+
+    def _fail(self, ctx: Context, err: Exception) -> None:
+        """A scheduled fill or generation cannot proceed: report ``err`` and
+        undo the failed fills, so the context is as it was before them."""
+        self.scheduler.remove(ctx)
+        if ctx in self.ready:
+            self.ready.remove(ctx)
+        waiters, ctx.fill_waiters = ctx.fill_waiters, []
+        for w, _, _ in waiters:
+            if not w.done():
+                w.set_exception(err)
+        if waiters:
+            _, rollback, created = waiters[0]
+            if created and not ctx.children:
+                self._drop(ctx)
+            else:
+                del ctx.token_ids[rollback:]
+                if ctx.num_computed > rollback:
+                    self.scheduler.preempt(ctx)
+        if ctx.gen is not None:
+            gen = ctx.gen
+            gen.done = True
+            ctx.gen = None
+            gen.emit(err)
+
+
+def _held_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that begins some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

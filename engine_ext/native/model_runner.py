@@ -1,0 +1,83 @@
+"""Owns the model weights and the KV cache tensor; turns a scheduled
+:class:`~.scheduler.Batch` into tensors and runs one forward pass."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from .models.llama import AttentionMetadata, LlamaForCausalLM, PrefillSpan
+from .scheduler import Batch
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype, device: torch.device):
+        cfg = model.cfg
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        # [layers, k/v, blocks, block_size, kv_heads, head_dim]
+        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                              dtype=kv_dtype, device=device)
+        self.offsets = torch.arange(block_size, device=device)
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+        c = model.cfg
+        return c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def _slots(self, blocks: List[int], length: int) -> torch.Tensor:
+        bt = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return (bt[:, None] * self.block_size + self.offsets[None, :]).flatten()[:length]
+
+    def run(self, batch: Batch) -> Tuple[torch.Tensor, List[int]]:
+        """Returns logits [R, V] and, for each row, the index of its chunk in
+        ``batch.chunks`` (only chunks that reach their context's end)."""
+        for src, dst in batch.copies:  # copy-on-write before anything writes
+            self.kv[:, :, dst].copy_(self.kv[:, :, src])
+        ids: List[int] = []
+        pos: List[int] = []
+        slot_mapping: List[int] = []
+        prefills: List[PrefillSpan] = []
+        decode_rows: List[int] = []
+        decode_chunks = []
+        logit_rows: List[int] = []
+        logit_chunks: List[int] = []
+        bs = self.block_size
+        for ci, ch in enumerate(batch.chunks):
+            ctx = ch.ctx
+            row = len(ids)
+            end = ch.start + ch.num
+            ids += ctx.token_ids[ch.start:end]
+            pos += range(ch.start, end)
+            blocks = ctx.table.blocks
+            slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(ch.start, end)]
+            if ch.num == 1 and ch.start > 0:
+                decode_rows.append(row)
+                decode_chunks.append(ch)
+            else:
+                prefills.append(PrefillSpan(row, ch.num, ch.start, self._slots(blocks, end)))
+            if ch.reaches_end:
+                logit_rows.append(row + ch.num - 1)
+                logit_chunks.append(ci)
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+                                 prefills=prefills)
+        if decode_rows:
+            lens = [ch.start + 1 for ch in decode_chunks]
+            nb = -(-max(lens) // bs)
+            bt = torch.zeros(len(lens), nb, dtype=torch.long, device=dev)
+            for i, ch in enumerate(decode_chunks):
+                b = ch.ctx.table.blocks[:nb]
+                bt[i, :len(b)] = torch.tensor(b, dtype=torch.long)
+            slots = (bt[:, :, None] * bs + self.offsets[None, None, :]).reshape(len(lens), nb * bs)
+            lens_t = torch.tensor(lens, device=dev)
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
+            meta.decode_slots = slots
+            meta.decode_mask = (torch.arange(nb * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+        logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                            torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta,
+                            torch.tensor(logit_rows, dtype=torch.long, device=dev))
+        return logits, logit_chunks

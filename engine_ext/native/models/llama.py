@@ -1,0 +1,278 @@
+"""A Llama-family decoder reading and writing a paged KV cache.
+
+Covers Llama (1-3.x), Mistral, Qwen2 / Qwen2.5 (q/k/v biases), Qwen3 (per-head
+q/k RMSNorm) and SmolLM2: they differ only in the switches held by
+:class:`ModelConfig`.  Q/K/V and gate/up projections are fused into one matmul
+each, which matters on a CPU where every op has a fixed cost.
+
+The forward pass takes a flat batch: the new tokens of all scheduled contexts
+concatenated (chunked prefills and single-token decodes mixed), with
+:class:`AttentionMetadata` saying which rows belong to which context and where
+their KV goes.  Attention is ``scaled_dot_product_attention`` over keys
+gathered from the cache blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm2"}
+
+
+class UnsupportedModel(ValueError):
+    """The model directory holds an architecture this engine cannot run."""
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope_scaling: Optional[dict] = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        mt = cfg.get("model_type", "")
+        if mt not in SUPPORTED:
+            raise UnsupportedModel(
+                f"model_type {mt!r} is not supported by the native engine (supported: {sorted(SUPPORTED)})")
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", "linear", "llama3"):
+            raise UnsupportedModel(f"rope scaling {scaling!r} is not supported")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=mt,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", mt == "qwen2"),
+            qk_norm=(mt == "qwen3"),
+            rope_scaling=scaling,
+        )
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each row of the flat batch reads and writes KV.
+
+    ``slot_mapping[t]`` is the cache slot (block * block_size + offset) the
+    t-th new token's K/V is written to.  Prefill chunks (``prefills``) are
+    attended one by one; single-token decodes are gathered into one padded
+    batch (``decode_rows`` / ``decode_slots`` / ``decode_mask``).
+    """
+
+    slot_mapping: torch.Tensor                   # [T] long
+    prefills: List["PrefillSpan"]
+    decode_rows: Optional[torch.Tensor] = None   # [B] long: rows of the flat batch
+    decode_slots: Optional[torch.Tensor] = None  # [B, L] long: cache slots of all keys
+    decode_mask: Optional[torch.Tensor] = None   # [B, 1, 1, L] bool: key is valid
+
+
+@dataclass
+class PrefillSpan:
+    row_start: int        # first row in the flat batch
+    num_new: int          # rows of this context in the batch
+    start_pos: int        # position of the first new token
+    key_slots: torch.Tensor  # [start_pos + num_new] long: cache slots of all keys
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return inv / sc["factor"]
+    if kind == "llama3":  # Llama 3.1 frequency-dependent scaling
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return torch.where(is_mid, mid, scaled)
+    return inv
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE; x [T, H, D], cos/sin [T, 1, D]."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.d ** -0.5
+
+    def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k_cache = kv[0].view(-1, self.hkv, self.d)
+        v_cache = kv[1].view(-1, self.hkv, self.d)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+        out = torch.empty_like(q)
+        for p in meta.prefills:
+            qs = q[p.row_start:p.row_start + p.num_new].transpose(0, 1)          # [H, n, D]
+            ks = k_cache[p.key_slots].transpose(0, 1).to(q.dtype)               # [Hkv, L, D]
+            vs = v_cache[p.key_slots].transpose(0, 1).to(q.dtype)
+            if p.start_pos == 0:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                L = ks.shape[1]
+                qpos = torch.arange(p.start_pos, p.start_pos + p.num_new, device=x.device)
+                mask = torch.arange(L, device=x.device)[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[p.row_start:p.row_start + p.num_new] = o.transpose(0, 1)
+        if meta.decode_rows is not None:
+            qd = q[meta.decode_rows].unsqueeze(2)                               # [B, H, 1, D]
+            kd = k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)         # [B, Hkv, L, D]
+            vd = v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale,
+                                               enable_gqa=True)
+            out[meta.decode_rows] = o.squeeze(2)
+        return self.o(out.reshape(T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv, meta):
+        x = x + self.attn(self.input_norm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_norm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Run the flat batch, write its KV, and return float32 logits for
+        ``logits_rows`` only (the last new token of contexts that need one)."""
+        x = self.embed(input_ids)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_caches[i], meta)
+        h = self.norm(x[logits_rows])
+        return self.lm_head(h).float()
+
+    # ------------------------------------------------------------- weights
+    def load_hf_state_dict(self, tensors: dict) -> None:
+        """Load weights named as in Hugging Face checkpoints, fusing q/k/v and
+        gate/up.  Missing or unexpected tensors are an error, not a silence."""
+        cfg = self.cfg
+        used = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise UnsupportedModel(f"checkpoint lacks tensor {name!r}")
+            used.add(name)
+            return tensors[name]
+
+        with torch.no_grad():
+            self.embed.weight.copy_(take("model.embed_tokens.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a = p + "self_attn."
+                layer.attn.qkv.weight.copy_(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]))
+                if cfg.attention_bias:
+                    layer.attn.qkv.bias.copy_(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
+                layer.attn.o.weight.copy_(take(a + "o_proj.weight"))
+                if cfg.qk_norm:
+                    layer.attn.q_norm.weight.copy_(take(a + "q_norm.weight"))
+                    layer.attn.k_norm.weight.copy_(take(a + "k_norm.weight"))
+                layer.mlp.gate_up.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                          take(p + "mlp.up_proj.weight")]))
+                layer.mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            self.norm.weight.copy_(take("model.norm.weight"))
+            if not cfg.tie_word_embeddings:
+                self.lm_head.weight.copy_(take("lm_head.weight"))
+        extra = set(tensors) - used - {"lm_head.weight"}
+        extra = {n for n in extra if not n.endswith("rotary_emb.inv_freq")}
+        if extra:
+            raise UnsupportedModel(f"checkpoint has tensors this model does not use: {sorted(extra)[:5]}")

@@ -1,0 +1,59 @@
+"""A context (Parrot's name for a KV-cache state) and the generation running in it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, List, Optional, Set
+
+from ..protocol import SamplingParams, TokenEvent
+from .block_manager import BlockTable
+
+
+class State(enum.Enum):
+    IDLE = "idle"              # holds KV, nothing running
+    GENERATING = "generating"  # a generate() stream is live
+    PAUSED = "paused"          # intercepted: the stream waits for resume()
+
+
+@dataclass(eq=False)
+class Generation:
+    """The decoding state of one generate() stream."""
+
+    sampling: SamplingParams
+    emit: Callable[[Any], None]           # thread-safe: delivers a TokenEvent or an exception
+    detok: Any = None                     # IncrementalDetokenizer, or None without a tokenizer
+    rng: Any = None                       # torch.Generator for seeded sampling
+    generated: List[int] = field(default_factory=list)
+    held: str = ""                        # text held back: a possible stop-string prefix
+    tail: str = ""                        # recent text, to find pause strings spanning tokens
+    paused: bool = False
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Context:
+    id: Hashable
+    token_ids: List[int]
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0
+    parent: Optional["Context"] = None
+    children: Set["Context"] = field(default_factory=set)
+    last_logits: Any = None               # logits after the last token, when all are computed
+    gen: Optional[Generation] = None
+    fill_waiters: List[Any] = field(default_factory=list)  # futures resolved when all tokens are computed
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def state(self) -> State:
+        if self.gen is None:
+            return State.IDLE
+        return State.PAUSED if self.gen.paused else State.GENERATING
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def event(self, **kw: Any) -> TokenEvent:
+        return TokenEvent(**kw)

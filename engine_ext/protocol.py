@@ -1,0 +1,149 @@
+"""The engine protocol: Fill / Generate / FreeContext, fork and pause / resume.
+
+This is Parrot's "universal engine abstraction" (section 7): a context is a
+named KV-cache state.  ``fill`` appends prompt tokens to it, ``generate``
+appends sampled tokens to it, ``free_context`` drops it.  Passing a
+``parent_context_id`` forks: the new context starts as a copy of the parent
+and shares the parent's KV blocks instead of recomputing them.
+
+``pause`` / ``resume`` is the interception hook of InferCept: a context whose
+generation is waiting for a tool leaves the running batch but keeps its
+identity (and, by the interception policy's choice, its KV); ``resume``
+appends the tool's output and decoding continues on the same stream.
+
+The native engine, a vLLM-backed engine and the simulator implement this
+protocol; the gateway only ever talks to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Hashable, Optional, Protocol, Sequence, runtime_checkable
+
+from .errors import InvalidSampling
+
+ContextId = Hashable
+
+#: ``processor(generated_token_ids, logits) -> logits``, called once per decode
+#: step for the request that carries it, on the engine's thread, with the
+#: engine's own tensor type (a 1-D float tensor over the vocabulary).  The
+#: gateway uses it for constrained decoding (grammar masks).
+LogitsProcessor = Callable[[Sequence[int], Any], Any]
+
+
+@dataclass
+class SamplingParams:
+    """How ``generate`` picks tokens and when it stops.
+
+    ``temperature == 0`` means greedy.  ``seed`` makes sampling reproducible
+    per request whatever else is in the batch.  ``stop`` strings are matched on
+    the detokenized text and are not included in it; ``stop_token_ids`` and the
+    model's EOS ids end generation and are included in the context (not in
+    the text).  ``pause_on`` strings pause the context (as :meth:`Engine.pause`
+    would) right after the token that completes one, so no token is decoded
+    past a tool call's end.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    logits_processors: Sequence[LogitsProcessor] = ()
+    pause_on: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if isinstance(self.pause_on, str):
+            self.pause_on = (self.pause_on,)
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidSampling(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidSampling(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidSampling(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidSampling(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
+        if any((not isinstance(s, str)) or s == "" for s in list(self.stop) + list(self.pause_on)):
+            raise InvalidSampling("stop and pause_on strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of a ``generate`` stream.
+
+    ``text`` is the printable text this token adds (may be empty while a
+    multi-byte character or a possible stop string is held back).  The last
+    event of a stream has ``finish_reason`` set: ``"stop"`` (EOS, stop token or
+    stop string), ``"length"`` (max_tokens or context limit) or ``"abort"``.
+    An event with ``paused=True`` says the context has just been paused (its
+    token, if any, is the one that completed a ``pause_on`` string); the stream
+    continues after :meth:`Engine.resume`.
+    """
+
+    token_id: Optional[int]
+    text: str
+    logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    paused: bool = False
+
+
+@dataclass(frozen=True)
+class PauseHint:
+    """What the caller knows about the interception (InferCept, LAMPS).
+
+    ``expected_duration_s`` is the predicted tool time (None if unknown);
+    ``tool`` names the tool.  Policies use it to choose preserve / discard / swap.
+    """
+
+    tool: Optional[str] = None
+    expected_duration_s: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the gateway needs from an engine.  All methods are coroutines
+    (``generate`` returns an async iterator) and are safe to call concurrently
+    from one event loop."""
+
+    async def fill(self, context_id: ContextId, token_ids: Sequence[int],
+                   parent_context_id: Optional[ContextId] = None) -> int:
+        """Create (or fork from ``parent_context_id``) or extend a context and
+        compute KV for the new tokens.  Returns the context's length."""
+        ...
+
+    def generate(self, context_id: ContextId, sampling: SamplingParams,
+                 parent_context_id: Optional[ContextId] = None) -> AsyncIterator[TokenEvent]:
+        """Decode into the context (forking it from the parent first if
+        given), yielding one :class:`TokenEvent` per token."""
+        ...
+
+    async def free_context(self, context_id: ContextId) -> None:
+        """Release the context's KV.  Refused while it has live children."""
+        ...
+
+    async def pause(self, context_id: ContextId, hint: Optional[PauseHint] = None) -> None:
+        """Take a generating context out of the running batch (interception)."""
+        ...
+
+    async def resume(self, context_id: ContextId, token_ids: Sequence[int] = ()) -> None:
+        """Append ``token_ids`` (a tool's result) to a paused context and let
+        its generation continue."""
+        ...

@@ -1,0 +1,275 @@
+"""The tool declaration API for plugin authors.
+
+A tool is a subclass of :class:`Tool` with a name, a description and a JSON
+Schema for its arguments, plus handler methods.  The gateway keeps one
+configured *prototype* instance per tool in the gateway process (where the
+schema is checked as arguments stream in) and pickles it into pre-started
+worker processes, where the handlers run.  Each call gets a shallow copy of
+the prototype, so attributes a handler sets (``self.conn = ...``) live for one
+call only, while whatever :meth:`Tool.worker_init` set up (warm imports, an open
+index) is shared by every call served by that worker.
+
+Partial execution (Conveyor, Xu et al.): while the model is still writing a
+call, the runtime feeds the tool what is already complete.  ``granularity``
+says which events a tool wants early:
+
+* ``ON_START``  -- :meth:`Tool.on_start` as soon as the call's name is decoded
+  (open a connection, warm a cache); everything else at the end.
+* ``ON_FIELD``  -- also :meth:`Tool.on_field` for each top-level argument whose
+  JSON value is complete (start a search once ``query`` is known).
+* ``ON_LINE``   -- also :meth:`Tool.on_line` for each complete top-level
+  statement of code (a code interpreter runs ``import`` lines while the model
+  is still writing the plot).
+* ``ON_FINISH`` -- nothing early: the worker is only involved once the
+  arguments are complete.
+
+Whatever the granularity, every call sees ``on_start`` first, then its
+fields/lines in order, then ``on_finish(arguments)`` and ``on_close``.  With
+partial execution switched off for a call the same sequence is replayed at
+the end, so a tool's result never depends on the mode, only its latency.
+
+Lifecycle of the prototype, for tools that need settings or resources::
+
+    configure(settings)   gateway process, by the plugin host (settings dict)
+    setup()               gateway process, once, before workers start
+    worker_init()         each worker process, once, before its first call
+    on_start/.../on_close each call, in a worker
+    teardown()            gateway process, when the runtime closes
+
+Handlers may raise :class:`ToolError` (or a subclass) with a message meant for
+the model; any other exception is reported as a tool failure too, but means a
+bug in the tool.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "Granularity",
+    "Tool",
+    "ToolError",
+    "ToolTimeout",
+    "ToolCrashed",
+    "ToolCancelled",
+    "ToolVetoed",
+    "InvalidToolArguments",
+    "UnknownTool",
+    "ToolConfigError",
+]
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+
+
+class Granularity(enum.Enum):
+    """When partial execution calls into a tool (see the module docstring)."""
+
+    ON_START = "on_start"
+    ON_FIELD = "on_field"
+    ON_LINE = "on_line"
+    ON_FINISH = "on_finish"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ToolError(Exception):
+    """A tool call failed; ``str(err)`` is what the model is shown.
+
+    ``error_type`` names the failure for clients and logs.  It defaults to the
+    class name and survives the trip from a worker process, where the original
+    class may be one the gateway process never imported.
+    """
+
+    def __init__(self, message: str = "", *, error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.error_type = error_type or type(self).__name__
+
+
+class ToolTimeout(ToolError):
+    """The call ran past its wall-clock or CPU budget; its worker was killed."""
+
+
+class ToolCrashed(ToolError):
+    """The worker process died during the call (segfault, ``os._exit``, OOM kill)."""
+
+
+class ToolCancelled(ToolError):
+    """The call was cancelled (model output abandoned, client disconnected)."""
+
+
+class ToolVetoed(ToolError):
+    """A ``before_tool_execution`` hook refused the call; the message is its reason."""
+
+
+class UnknownTool(ToolError, LookupError):
+    """The model called a tool the gateway does not serve."""
+
+
+class InvalidToolArguments(ToolError):
+    """An argument does not match the tool's schema.
+
+    ``field`` is the top-level argument at fault (``None`` when the arguments
+    as a whole are wrong).  Raised the moment a bad field completes when the
+    tool has ``validate_early`` set, so a doomed call is aborted before the
+    model has finished writing it.
+    """
+
+    def __init__(self, field: str | None, message: str) -> None:
+        self.field = field
+        self.message = message
+        text = f"invalid argument {field!r}: {message}" if field else f"invalid arguments: {message}"
+        super().__init__(text)
+
+    def __reduce__(self):  # the default would call cls(text) and lose ``field``
+        return (type(self), (self.field, self.message))
+
+
+class ToolConfigError(ValueError):
+    """A tool's settings are wrong; raised at configuration time, not per call."""
+
+
+# --------------------------------------------------------------------------- the base class
+
+
+class Tool:
+    """Base class for server-side tools.  Override the class attributes and handlers.
+
+    Only :meth:`on_finish` is required.  Instances must be picklable: the
+    runtime sends the configured prototype to each worker process.
+    """
+
+    #: Name the model calls the tool by (letters, digits, ``_ . -``).
+    name: str = ""
+    #: What the tool does, for the model.
+    description: str = ""
+    #: JSON Schema of the arguments object.
+    parameters: dict[str, Any] = {"type": "object", "properties": {}}
+    #: When partial execution calls into the tool.
+    granularity: Granularity = Granularity.ON_FINISH
+    #: Check each argument against its property schema as soon as it completes.
+    validate_early: bool = True
+    #: Wall-clock seconds ``finish()`` waits for the result before killing the worker.
+    timeout_s: float = 30.0
+    #: For ``ON_LINE`` tools: the argument the streamed lines belong to (``"code"``).
+    line_field: str | None = None
+    #: Worker processes kept warm for this tool (calls beyond this queue).
+    workers: int = 1
+    #: ``False`` hides the tool (e.g. a database tool with no database configured).
+    enabled: bool = True
+
+    # -- gateway-process lifecycle -------------------------------------------------
+
+    def configure(self, settings: Mapping[str, Any]) -> None:
+        """Apply this tool's settings (called by the plugin host; default: ignore)."""
+
+    def setup(self) -> None:
+        """Prepare shared resources once before workers start (e.g. build an index)."""
+
+    def teardown(self) -> None:
+        """Release what :meth:`setup` created (runtime close)."""
+
+    # -- worker-process handlers ---------------------------------------------------
+
+    def worker_init(self) -> Mapping[str, Any] | None:
+        """Run once in each new worker; return facts worth reporting (isolation in force)."""
+        return None
+
+    def on_start(self) -> None:
+        """The call began: its name is decoded, arguments are still coming."""
+
+    def on_field(self, key: str, value: Any) -> None:
+        """A top-level argument is complete (``ON_FIELD`` tools)."""
+
+    def on_line(self, line: str) -> None:
+        """A complete top-level code statement (``ON_LINE`` tools)."""
+
+    def on_finish(self, arguments: dict[str, Any]) -> Any:
+        """All arguments are known: return the result (a ``str`` or JSON-able value)."""
+        raise NotImplementedError(f"tool {self.name!r} does not implement on_finish")
+
+    def on_close(self) -> None:
+        """The call ended (finished, failed or cancelled): release per-call resources."""
+
+    # -- declarations and validation (gateway process) -------------------------------
+
+    def spec(self) -> dict[str, Any]:
+        """The OpenAI-style function declaration shown to the model."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+    def check(self) -> None:
+        """Fail fast on a bad declaration (called at registration)."""
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ToolConfigError(f"invalid tool name {self.name!r}")
+        if not isinstance(self.granularity, Granularity):
+            raise ToolConfigError(f"tool {self.name!r}: granularity must be a Granularity")
+        if self.parameters.get("type", "object") != "object":
+            raise ToolConfigError(f"tool {self.name!r}: parameters must describe an object")
+        if self.timeout_s <= 0 or self.workers < 1:
+            raise ToolConfigError(f"tool {self.name!r}: timeout_s and workers must be positive")
+        self._validators()  # raises jsonschema.SchemaError on a broken schema
+
+    def validate_field(self, key: str, value: Any) -> None:
+        """Check one completed top-level argument; raise :class:`InvalidToolArguments`.
+
+        Known keys are checked against their property schema, unknown keys
+        against ``patternProperties``/``additionalProperties``.  ``required``
+        cannot be judged before the end and is left to :meth:`validate_arguments`.
+        """
+        field_validator, _ = self._validators()
+        error = _best_error(field_validator, {key: value})
+        if error is not None:
+            raise InvalidToolArguments(key, error.message)
+
+    def validate_arguments(self, arguments: Any) -> None:
+        """Check the complete arguments object; raise :class:`InvalidToolArguments`."""
+        if not isinstance(arguments, dict):
+            raise InvalidToolArguments(None, f"arguments must be a JSON object, not {type(arguments).__name__}")
+        _, full_validator = self._validators()
+        error = _best_error(full_validator, arguments)
+        if error is None:
+            return
+        field: str | None = None
+        if error.path:
+            field = str(error.path[0])
+        elif error.validator == "required":
+            missing = [r for r in error.validator_value if r not in arguments]
+            field = missing[0] if missing else None
+        raise InvalidToolArguments(field, error.message)
+
+    def _validators(self) -> tuple[Any, Any]:
+        """Compiled validators, built lazily and cached on the instance (not pickled)."""
+        cached = self.__dict__.get("_validator_cache")
+        if cached is None:
+            from jsonschema import validators  # imported here: workers never need it
+
+            schema = self.parameters
+            cls = validators.validator_for(schema)
+            cls.check_schema(schema)
+            keep = ("$schema", "$id", "$defs", "definitions", "properties", "patternProperties", "additionalProperties")
+            # One schema for "does this single key/value fit?": the object keywords
+            # minus the ones (required, minProperties, ...) only the whole object can satisfy.
+            field_schema = {"type": "object", **{k: schema[k] for k in keep if k in schema}}
+            cached = (cls(field_schema), cls(schema))
+            self.__dict__["_validator_cache"] = cached
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_validator_cache", None)
+        return state
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.granularity.name}>"
+
+
+def _best_error(validator: Any, instance: Any) -> Any:
+    from jsonschema.exceptions import best_match
+
+    return best_match(validator.iter_errors(instance))

@@ -1,0 +1,194 @@
+"""The streaming-parser base class and the name -> parser registry.
+
+One parser instance serves one output stream (and every tool that stream may
+call): the gateway feeds it each decoded text delta and acts on the events it
+returns.  Parsers are plain synchronous state machines with no I/O; a feed must
+cost a few microseconds per token so that parsing never slows decoding.
+
+Error policy (the same for every built-in parser): bad model output never
+raises.  A tool call that is malformed (invalid JSON, wrong shape) or still
+unterminated when :meth:`StreamingParser.finish` is called produces a
+:class:`~interlace.parsers.events.ParserError` event carrying the raw text;
+the call gets no :class:`~interlace.parsers.events.ToolCallEnd`.  The one
+exception is text that only *looked* like it might start a call and turned out
+not to (a partial marker at the end of the stream, a bare ``{`` that is not a
+``{"name": ...}`` object for ``llama3_json``): that is returned as ``Text``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import ClassVar
+
+from .events import Event, Text, ToolCallStart
+
+IdFactory = Callable[[], str]
+
+
+def random_call_id() -> str:
+    """An OpenAI-style tool-call id: ``call_`` + 24 random hex digits."""
+    return "call_" + os.urandom(12).hex()
+
+
+def counting_ids(prefix: str = "call_") -> IdFactory:
+    """Deterministic ids (``call_0``, ``call_1``, ...) for tests and replays."""
+    n = -1
+
+    def next_id() -> str:
+        nonlocal n
+        n += 1
+        return f"{prefix}{n}"
+
+    return next_id
+
+
+def split_text(buf: str, markers: Sequence[str]) -> tuple[int, str | None]:
+    """Find where plain text in ``buf`` ends.
+
+    Returns ``(end, marker)``: ``buf[:end]`` is certainly text.  If ``marker`` is
+    not None it occurs at ``end``; otherwise ``buf[end:]`` is a proper prefix of
+    some marker and must be held back until more input disambiguates it (so a
+    delta ending in ``<tool_`` is not emitted as text too early).
+    """
+    best, found = -1, None
+    for m in markers:
+        i = buf.find(m)
+        if i != -1 and (best == -1 or i < best):
+            best, found = i, m
+    if found is not None:
+        return best, found
+    n = len(buf)
+    hold = n
+    for m in markers:
+        start = n - len(m) + 1
+        i = buf.find(m[0], start if start > 0 else 0)
+        while i != -1 and i < hold:
+            if m.startswith(buf[i:]):
+                hold = i
+                break
+            i = buf.find(m[0], i + 1)
+    return hold, None
+
+
+class StreamingParser:
+    """Base class: feed text deltas in, get events out.
+
+    Subclasses implement :meth:`_feed` (consume ``self._buf`` as far as it can be
+    decided) and :meth:`_finish` (flush at end of stream), appending events with
+    the ``_emit*`` helpers.  The contract that tests check for every parser: any
+    split of an output into deltas yields the same events as the unsplit output,
+    up to merging of adjacent ``Text`` and same-index ``ArgumentsDelta`` events.
+    """
+
+    #: Registry name of the format; informational.
+    name: ClassVar[str] = ""
+
+    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
+        self._buf = ""
+        self._out: list[Event] = []
+        self._new_id: IdFactory = id_factory or random_call_id
+        self._next_index = 0
+        self._finished = False
+
+    # -- public API -------------------------------------------------------
+    def feed(self, delta: str) -> list[Event]:
+        """Consume one text delta; return the events it completes."""
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        if delta:
+            self._buf += delta
+            self._feed()
+        out, self._out = self._out, []
+        return out
+
+    def finish(self) -> list[Event]:
+        """End of stream: flush held-back text, report unterminated calls."""
+        if self._finished:
+            return []
+        self._finished = True
+        self._finish()
+        out, self._out = self._out, []
+        return out
+
+    def parse(self, text: str) -> list[Event]:
+        """Convenience: parse a whole output at once (feed + finish)."""
+        return self.feed(text) + self.finish()
+
+    # -- for subclasses ---------------------------------------------------
+    def _feed(self) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def _emit_text(self, text: str) -> None:
+        if text:
+            out = self._out
+            if out and type(out[-1]) is Text:
+                out[-1] = Text(out[-1].text + text)  # type: ignore[union-attr]
+            else:
+                out.append(Text(text))
+
+    def _start_call(self, name: str) -> int:
+        """Allocate the next call index and emit its ToolCallStart."""
+        index = self._next_index
+        self._next_index += 1
+        self._out.append(ToolCallStart(index, self._new_id(), name))
+        return index
+
+
+ParserFactory = Callable[[], StreamingParser]
+
+
+class UnknownParserError(KeyError):
+    """A model configuration names a parser that nobody registered."""
+
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        self.name = name
+        self.known = sorted(known)
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        return f"unknown parser {self.name!r}; registered: {', '.join(self.known) or '(none)'}"
+
+
+class DuplicateParserError(ValueError):
+    """Two plugins registered a parser under the same name."""
+
+
+class ParserRegistry:
+    """Maps parser names (as used in model configs) to zero-argument factories.
+
+    ``register`` has the signature the ``register_parsers`` hook passes to
+    plugins, so ``pm.hook.register_parsers(register=registry.register)`` fills
+    it.  Each :meth:`create` returns a fresh parser: one per output stream.
+    """
+
+    def __init__(self) -> None:
+        self._factories: dict[str, ParserFactory] = {}
+
+    def register(self, name: str, factory: ParserFactory) -> None:
+        if not name or not isinstance(name, str):
+            raise ValueError(f"parser name must be a non-empty string, got {name!r}")
+        if name in self._factories:
+            raise DuplicateParserError(f"parser {name!r} is already registered")
+        self._factories[name] = factory
+
+    def get(self, name: str) -> ParserFactory:
+        try:
+            return self._factories[name]
+        except KeyError:
+            raise UnknownParserError(name, self._factories) from None
+
+    def create(self, name: str) -> StreamingParser:
+        return self.get(name)()
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._factories
+
+    def __len__(self) -> int:
+        return len(self._factories)

@@ -1,0 +1,360 @@
+"""Parsers for the JSON tool-call formats: hermes, mistral, llama3_json.
+
+All three wrap ``{"name": ..., "arguments"|"parameters": {...}}`` objects in a
+model-specific envelope; the objects themselves are scanned incrementally by
+:class:`~interlace.parsers.jsonscan.JsonCall`.  Each parser here is only the
+envelope state machine around it.
+"""
+
+from __future__ import annotations
+
+from .base import IdFactory, StreamingParser, split_text
+from .events import ParserError
+from .jsonscan import JsonCall
+
+_WS = " \t\r\n"
+
+
+class _JsonEnvelopeParser(StreamingParser):
+    """Shared plumbing: run the current :class:`JsonCall`, handle its outcome."""
+
+    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
+        super().__init__(id_factory=id_factory)
+        self._state = "text"
+        self._call: JsonCall | None = None
+
+    def _run_call(self) -> str:
+        """Feed ``_buf`` to the current call; return 'done', 'error' or 'wait'.
+
+        On 'done' and 'error', ``_buf`` holds the input after the object / after
+        the point of failure respectively.
+        """
+        call = self._call
+        assert call is not None
+        chunk, self._buf = self._buf, ""
+        call.feed(chunk)
+        if call.done:
+            self._buf = call.text[call.end :]
+            return "done"
+        if call.error is not None:
+            self._buf = call.text[call.pos :]
+            return "error"
+        return "wait"
+
+    def _call_error(self) -> None:
+        call = self._call
+        assert call is not None and call.error is not None
+        self._out.append(ParserError(call.index, call.error, call.text[: call.pos]))
+
+    def _unterminated(self) -> None:
+        call = self._call
+        assert call is not None
+        self._out.append(ParserError(call.index, "unterminated tool call", call.text))
+
+
+class HermesParser(_JsonEnvelopeParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated.
+
+    Used by Hermes 2/3, Qwen2.5/Qwen3 and SmolLM2.  Text between calls is
+    ``Text``.  ``ToolCallEnd`` is emitted when the JSON object closes, not at
+    ``</tool_call>`` (some models omit the closing tag at end of stream).  A
+    malformed call emits ``ParserError`` at the first bad character and the
+    rest up to ``</tool_call>`` is discarded.
+    """
+
+    name = "hermes"
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    def _feed(self) -> None:  # noqa: C901
+        while True:
+            st = self._state
+            buf = self._buf
+            if st == "text":
+                end, marker = split_text(buf, (self.OPEN,))
+                self._emit_text(buf[:end])
+                if marker is None:
+                    self._buf = buf[end:]
+                    return
+                self._buf = buf[end + len(self.OPEN) :]
+                self._state = "pre"
+            elif st == "pre":
+                rest = buf.lstrip(_WS)
+                if not rest:
+                    return
+                if rest[0] != "{":
+                    self._out.append(ParserError(None, "expected '{' after <tool_call>", ""))
+                    self._buf = rest
+                    self._state = "skip"
+                    continue
+                self._call = JsonCall(self)
+                self._buf = rest
+                self._state = "call"
+            elif st == "call":
+                r = self._run_call()
+                if r == "wait":
+                    return
+                if r == "error":
+                    self._call_error()
+                    self._state = "skip"
+                else:
+                    self._state = "post"
+            elif st == "post":
+                rest = buf.lstrip(_WS)
+                if not rest:
+                    return
+                if rest.startswith(self.CLOSE):
+                    self._buf = rest[len(self.CLOSE) :]
+                    self._state = "text"
+                elif self.CLOSE.startswith(rest):
+                    return
+                else:  # no closing tag: treat what follows as text
+                    self._state = "text"
+            else:  # skip: discard up to the closing tag
+                k = buf.find(self.CLOSE)
+                if k == -1:
+                    end, _ = split_text(buf, (self.CLOSE,))
+                    self._buf = buf[end:]
+                    return
+                self._buf = buf[k + len(self.CLOSE) :]
+                self._state = "text"
+
+    def _finish(self) -> None:
+        st = self._state
+        if st == "text":
+            self._emit_text(self._buf)
+        elif st == "pre":
+            self._out.append(ParserError(None, "unterminated tool call", self._buf))
+        elif st == "call":
+            self._unterminated()
+        self._buf = ""
+
+
+class MistralParser(_JsonEnvelopeParser):
+    """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+
+    Also accepts a single object instead of a list, and the v11 tokenizer
+    format of Mistral Small 3.2 / Magistral / Devstral,
+    ``[TOOL_CALLS]name[ARGS]{...}`` (one marker per call).  Everything after
+    ``[TOOL_CALLS]`` belongs to calls, so after a malformed call the rest of the
+    stream is discarded (one ``ParserError`` is emitted at the failure).
+    """
+
+    name = "mistral"
+    MARK = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
+        super().__init__(id_factory=id_factory)
+        self._single = False
+
+    def _feed(self) -> None:  # noqa: C901
+        while True:
+            st = self._state
+            buf = self._buf
+            if st == "text":
+                end, marker = split_text(buf, (self.MARK,))
+                self._emit_text(buf[:end])
+                if marker is None:
+                    self._buf = buf[end:]
+                    return
+                self._buf = buf[end + len(self.MARK) :]
+                self._state = "open"
+            elif st == "open":
+                rest = buf.lstrip(_WS)
+                if not rest:
+                    return
+                c = rest[0]
+                if c == "[":
+                    self._buf = rest[1:]
+                    self._single = False
+                    self._state = "elem"
+                elif c == "{":
+                    self._buf = rest
+                    self._single = True
+                    self._state = "elem"
+                elif c.isalpha() or c == "_":
+                    self._buf = rest
+                    self._state = "v11name"
+                else:
+                    self._error(None, "expected '[' after [TOOL_CALLS]", rest)
+            elif st == "v11name":
+                k = buf.find(self.ARGS)
+                if k == -1:
+                    end, _ = split_text(buf, (self.ARGS,))
+                    if not all(ch.isalnum() or ch in "_-." for ch in buf[:end].strip(_WS)):
+                        self._error(None, "bad function name after [TOOL_CALLS]", buf)
+                        continue
+                    return
+                name = buf[:k].strip()
+                rest = buf[k + len(self.ARGS) :].lstrip(_WS)
+                if not rest:
+                    return  # wait for the '{' (the name is re-read next time)
+                if rest[0] != "{" or not name:
+                    self._error(None, "expected '{' after [ARGS]", buf)
+                    continue
+                self._call = JsonCall(self, name=name)
+                self._buf = rest
+                self._single = True
+                self._state = "call"
+            elif st == "elem":
+                rest = buf.lstrip(_WS)
+                if not rest:
+                    return
+                if rest[0] == "{":
+                    self._call = JsonCall(self)
+                    self._buf = rest
+                    self._state = "call"
+                elif rest[0] == "]" and not self._single:
+                    self._buf = rest[1:]
+                    self._state = "text"
+                else:
+                    self._error(None, "expected a tool-call object", rest)
+            elif st == "call":
+                r = self._run_call()
+                if r == "wait":
+                    return
+                if r == "error":
+                    self._call_error()
+                    self._state = "skip"
+                else:
+                    self._state = "text" if self._single else "sep"
+            elif st == "sep":
+                rest = buf.lstrip(_WS)
+                if not rest:
+                    return
+                if rest[0] == ",":
+                    self._buf = rest[1:]
+                    self._state = "elem"
+                elif rest[0] == "]":
+                    self._buf = rest[1:]
+                    self._state = "text"
+                else:
+                    self._error(None, "expected ',' or ']' between tool calls", rest)
+            else:  # skip: everything after a broken call is discarded
+                self._buf = ""
+                return
+
+    def _error(self, index: int | None, msg: str, raw: str) -> None:
+        self._out.append(ParserError(index, msg, raw))
+        self._state = "skip"
+
+    def _finish(self) -> None:
+        st = self._state
+        if st == "text":
+            self._emit_text(self._buf)
+        elif st == "call":
+            self._unterminated()
+        elif st in ("open", "elem", "sep", "v11name") and (st != "sep" or self._buf.strip(_WS)):
+            self._out.append(ParserError(None, "unterminated tool-call list", self._buf))
+        self._buf = ""
+
+
+class Llama3JsonParser(_JsonEnvelopeParser):
+    """Llama 3.1/3.2/3.3 JSON tool calls.
+
+    ``<|python_tag|>{"name": ..., "parameters": {...}}``, or a bare
+    ``{"name": ...}`` object at the very start of the output; several calls are
+    separated by ``;``.  A bare leading ``{`` is *tentative*: if its object turns
+    out not to be a call (a non-call key, no name, invalid JSON before the name),
+    the text is returned as ``Text``, so JSON answers pass through.  Anything
+    after ``<|python_tag|>`` that is not a JSON object (Llama's built-in
+    ``brave_search.call(...)`` syntax) is also returned as ``Text``.
+    """
+
+    name = "llama3_json"
+    MARK = "<|python_tag|>"
+
+    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
+        super().__init__(id_factory=id_factory)
+        self._state = "start"
+        self._tentative = False
+        self._prefix = ""  # what introduced the pending call, re-emitted if it is not one
+
+    def _feed(self) -> None:  # noqa: C901
+        while True:
+            st = self._state
+            buf = self._buf
+            if st == "start":
+                rest = buf.lstrip(_WS)
+                if not rest:
+                    return
+                if rest.startswith(self.MARK):
+                    self._buf = rest[len(self.MARK) :]
+                    self._tentative = False
+                    self._prefix = self.MARK
+                    self._state = "pre"
+                elif self.MARK.startswith(rest):
+                    return
+                elif rest[0] == "{":
+                    self._buf = rest
+                    self._tentative = True
+                    self._state = "pre"
+                else:
+                    self._state = "text"
+            elif st == "text":
+                end, marker = split_text(buf, (self.MARK,))
+                self._emit_text(buf[:end])
+                if marker is None:
+                    self._buf = buf[end:]
+                    return
+                self._buf = buf[end + len(self.MARK) :]
+                self._tentative = False
+                self._prefix = self.MARK
+                self._state = "pre"
+            elif st == "pre":
+                rest = buf.lstrip(_WS)
+                if not rest:
+                    return
+                if rest[0] != "{":
+                    self._emit_text(self._prefix + buf)
+                    self._buf = ""
+                    self._state = "text"
+                    continue
+                self._call = JsonCall(self, tentative=self._tentative)
+                self._buf = rest
+                self._state = "call"
+            elif st == "call":
+                r = self._run_call()
+                if r == "wait":
+                    return
+                if r == "done":
+                    self._state = "sep"
+                    continue
+                call = self._call
+                assert call is not None
+                if call.index is None and self._tentative:
+                    self._emit_text(call.text[: call.pos])
+                    self._state = "text"
+                else:
+                    self._call_error()
+                    self._state = "skip"
+            elif st == "sep":
+                rest = buf.lstrip(_WS)
+                if not rest:
+                    return
+                if rest[0] == ";":
+                    self._buf = rest[1:]
+                    self._tentative = False
+                    self._prefix = ""
+                    self._state = "pre"
+                else:
+                    self._state = "text"
+            else:  # skip
+                self._buf = ""
+                return
+
+    def _finish(self) -> None:
+        st = self._state
+        if st in ("start", "text"):
+            self._emit_text(self._buf)
+        elif st == "pre" and self._prefix:
+            self._out.append(ParserError(None, "unterminated tool call", self._buf))
+        elif st == "call":
+            call = self._call
+            assert call is not None
+            if call.index is None and self._tentative:
+                self._emit_text(call.text)
+            else:
+                self._unterminated()
+        self._buf = ""

