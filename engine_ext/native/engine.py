@@ -140,6 +140,14 @@ class NativeEngine:
     async def context_length(self, context_id: Hashable) -> int:
         return await self._call(lambda fut: fut.set_result(len(self._get(context_id).token_ids)))
 
+    async def last_logits(self, context_id: Hashable) -> Optional[torch.Tensor]:
+        """Float32 logits after the context's last token, if computed and kept
+        (after a fill; a finished generation leaves its last token uncomputed)."""
+        def get(fut):
+            lg = self._get(context_id).last_logits
+            fut.set_result(None if lg is None else lg.clone())
+        return await self._call(get)
+
     async def context_tokens(self, context_id: Hashable) -> List[int]:
         return await self._call(lambda fut: fut.set_result(list(self._get(context_id).token_ids)))
 
