@@ -66,7 +66,8 @@ class NativeEngine:
         self.vocab_size = self.cfg.vocab_size
         self.eos_token_ids = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
         self.blocks = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.blocks, ranking or FCFS(), max_batched_tokens, max_seqs)
+        self.scheduler = Scheduler(self.blocks, ranking or FCFS(), max_batched_tokens, max_seqs,
+                                   inactive=self._inactive_contexts)
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype or next(model.parameters()).dtype,
                                   self.device)
         self.interception = interception or AlwaysPreserve()
@@ -209,11 +210,19 @@ class NativeEngine:
                 if not w.done():
                     w.set_exception(E.EngineClosed("the engine was closed"))
 
+    def _inactive_contexts(self) -> List[Context]:
+        """Contexts whose KV may be dropped before a running one's: idle ones
+        least recently used first, then paused ones."""
+        idle = [c for c in self.contexts.values() if c.state is State.IDLE and c not in self.scheduler.active]
+        paused = [c for c in self.contexts.values() if c.state is State.PAUSED]
+        return sorted(idle, key=lambda c: c.last_used) + sorted(paused, key=lambda c: c.last_used)
+
     # ---------------------------------------------------------------- commands
     def _get(self, cid: Hashable) -> Context:
         ctx = self.contexts.get(cid)
         if ctx is None:
             raise E.ContextNotFound(cid)
+        ctx.last_used = time.monotonic()
         return ctx
 
     def _check_tokens(self, tokens: List[int], allow_empty: bool) -> None:

@@ -21,16 +21,11 @@ class ModelRunner:
         # [layers, k/v, blocks, block_size, kv_heads, head_dim]
         self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                               dtype=kv_dtype, device=device)
-        self.offsets = torch.arange(block_size, device=device)
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
         c = model.cfg
         return c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
-
-    def _slots(self, blocks: List[int], length: int) -> torch.Tensor:
-        bt = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return (bt[:, None] * self.block_size + self.offsets[None, :]).flatten()[:length]
 
     def run(self, batch: Batch) -> Tuple[torch.Tensor, List[int]]:
         """Returns logits [R, V] and, for each row, the index of its chunk in
@@ -58,7 +53,9 @@ class ModelRunner:
                 decode_rows.append(row)
                 decode_chunks.append(ch)
             else:
-                prefills.append(PrefillSpan(row, ch.num, ch.start, self._slots(blocks, end)))
+                nb = -(-end // bs)
+                prefills.append(PrefillSpan(row, ch.num, ch.start,
+                                            torch.tensor(blocks[:nb], dtype=torch.long, device=self.device)))
             if ch.reaches_end:
                 logit_rows.append(row + ch.num - 1)
                 logit_chunks.append(ci)
@@ -72,10 +69,9 @@ class ModelRunner:
             for i, ch in enumerate(decode_chunks):
                 b = ch.ctx.table.blocks[:nb]
                 bt[i, :len(b)] = torch.tensor(b, dtype=torch.long)
-            slots = (bt[:, :, None] * bs + self.offsets[None, None, :]).reshape(len(lens), nb * bs)
             lens_t = torch.tensor(lens, device=dev)
             meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
-            meta.decode_slots = slots
+            meta.decode_blocks = bt
             meta.decode_mask = (torch.arange(nb * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta,

@@ -4,15 +4,17 @@ Every engine step it picks, in the ranking policy's order, a chunk of
 uncomputed tokens from each active context until the step's token budget is
 spent: a decoding context needs one token, a prefill takes what the budget
 leaves (chunked prefill), so prefills and decodes share one forward pass.
-When the KV cache has no room, the lowest-ranked active context is preempted
-by recompute (its blocks released; full blocks stay in the prefix cache, so
-the recompute is often cheap).
+When the KV cache has no room, a context's KV is dropped to make some:
+first idle contexts' (least recently used first), then paused ones', then the
+lowest-ranked active context's (preemption by recompute).  A dropped context
+keeps its tokens and is recomputed when next used; its full blocks stay in
+the prefix cache until evicted, so that is often cheap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 from ..errors import KVCacheExhausted
 from ..policies.ranking import FCFS, RankingPolicy
@@ -44,8 +46,10 @@ class Batch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, ranking: RankingPolicy | None = None,
-                 max_batched_tokens: int = 512, max_seqs: int = 256):
+                 max_batched_tokens: int = 512, max_seqs: int = 256,
+                 inactive: Callable[[], Iterable[Context]] = lambda: ()):
         self.blocks = blocks
+        self.inactive = inactive  # idle and paused contexts, in the order their KV may be dropped
         self.ranking = ranking or FCFS()
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
@@ -88,13 +92,13 @@ class Scheduler:
                     batch.copies += self.blocks.prepare_append(ctx.table, start, start + n)
                     break
                 except OutOfBlocks:
-                    victim = next((v for v in reversed(order) if v is not ctx and v not in scheduled
-                                   and v.table.blocks), None)
+                    victim = next((v for v in self.inactive() if v.table.blocks and v is not ctx), None)
+                    if victim is None:
+                        victim = next((v for v in reversed(order) if v is not ctx and v not in scheduled
+                                       and v.table.blocks), None)
                     if victim is None:
                         break
                     self.preempt(victim)
-            else:  # pragma: no cover - the loop only exits by break
-                pass
             if self.blocks.blocks_for(start + n) > len(ctx.table.blocks):
                 # Nothing left to preempt.  If nothing at all runs this step,
                 # waiting cannot help: the cache is held by idle/paused contexts.

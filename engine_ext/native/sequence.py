@@ -44,6 +44,7 @@ class Context:
     gen: Optional[Generation] = None
     fill_waiters: List[Any] = field(default_factory=list)  # futures resolved when all tokens are computed
     arrival: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def state(self) -> State:

@@ -84,14 +84,14 @@ class AttentionMetadata:
     ``slot_mapping[t]`` is the cache slot (block * block_size + offset) the
     t-th new token's K/V is written to.  Prefill chunks (``prefills``) are
     attended one by one; single-token decodes are gathered into one padded
-    batch (``decode_rows`` / ``decode_slots`` / ``decode_mask``).
+    batch (``decode_rows`` / ``decode_blocks`` / ``decode_mask``).
     """
 
-    slot_mapping: torch.Tensor                   # [T] long
+    slot_mapping: torch.Tensor                    # [T] long
     prefills: List["PrefillSpan"]
-    decode_rows: Optional[torch.Tensor] = None   # [B] long: rows of the flat batch
-    decode_slots: Optional[torch.Tensor] = None  # [B, L] long: cache slots of all keys
-    decode_mask: Optional[torch.Tensor] = None   # [B, 1, 1, L] bool: key is valid
+    decode_rows: Optional[torch.Tensor] = None    # [B] long: rows of the flat batch
+    decode_blocks: Optional[torch.Tensor] = None  # [B, nb] long: block tables, padded
+    decode_mask: Optional[torch.Tensor] = None    # [B, 1, 1, nb * block_size] bool: key is valid
 
 
 @dataclass
@@ -99,7 +99,7 @@ class PrefillSpan:
     row_start: int        # first row in the flat batch
     num_new: int          # rows of this context in the batch
     start_pos: int        # position of the first new token
-    key_slots: torch.Tensor  # [start_pos + num_new] long: cache slots of all keys
+    blocks: torch.Tensor  # [nb] long: the context's blocks covering all its keys
 
 
 class RMSNorm(nn.Module):
@@ -160,28 +160,30 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k_cache = kv[0].view(-1, self.hkv, self.d)
-        v_cache = kv[1].view(-1, self.hkv, self.d)
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_blocks, v_blocks = kv[0], kv[1]  # [num_blocks, block_size, Hkv, D]
+        k_blocks.view(-1, self.hkv, self.d).index_copy_(0, meta.slot_mapping, k.to(k_blocks.dtype))
+        v_blocks.view(-1, self.hkv, self.d).index_copy_(0, meta.slot_mapping, v.to(v_blocks.dtype))
 
         out = torch.empty_like(q)
         for p in meta.prefills:
-            qs = q[p.row_start:p.row_start + p.num_new].transpose(0, 1)          # [H, n, D]
-            ks = k_cache[p.key_slots].transpose(0, 1).to(q.dtype)               # [Hkv, L, D]
-            vs = v_cache[p.key_slots].transpose(0, 1).to(q.dtype)
+            L = p.start_pos + p.num_new
+            qs = q[p.row_start:p.row_start + p.num_new].transpose(0, 1)                      # [H, n, D]
+            ks = k_blocks.index_select(0, p.blocks).view(-1, self.hkv, self.d)[:L].transpose(0, 1)  # [Hkv, L, D]
+            vs = v_blocks.index_select(0, p.blocks).view(-1, self.hkv, self.d)[:L].transpose(0, 1)
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
             if p.start_pos == 0:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                L = ks.shape[1]
                 qpos = torch.arange(p.start_pos, p.start_pos + p.num_new, device=x.device)
-                mask = torch.arange(L, device=x.device)[None, :] <= qpos[:, None]
+                mask = torch.arange(L, device=x.device)[None, :] <= qpos[:, None]  # causal, offset
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[p.row_start:p.row_start + p.num_new] = o.transpose(0, 1)
         if meta.decode_rows is not None:
-            qd = q[meta.decode_rows].unsqueeze(2)                               # [B, H, 1, D]
-            kd = k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)         # [B, Hkv, L, D]
-            vd = v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
+            B, nb = meta.decode_blocks.shape
+            flat = meta.decode_blocks.flatten()
+            qd = q[meta.decode_rows].unsqueeze(2)                                            # [B, H, 1, D]
+            kd = k_blocks.index_select(0, flat).view(B, -1, self.hkv, self.d).transpose(1, 2).to(q.dtype)
+            vd = v_blocks.index_select(0, flat).view(B, -1, self.hkv, self.d).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale,
                                                enable_gqa=True)
             out[meta.decode_rows] = o.squeeze(2)
