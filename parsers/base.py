@@ -9,8 +9,10 @@ Error policy (the same for every built-in parser): bad model output never
 raises.  A tool call that is malformed (invalid JSON, wrong shape) or still
 unterminated when :meth:`StreamingParser.finish` is called produces a
 :class:`~interlace.parsers.events.ParserError` event carrying the raw text;
-the call gets no :class:`~interlace.parsers.events.ToolCallEnd`.  The one
-exception is text that only *looked* like it might start a call and turned out
+the call gets no :class:`~interlace.parsers.events.ToolCallEnd`.  An error in a
+call that has started is reported at the first bad character (so the gateway can
+cancel work begun on partial arguments); an error before any call started is
+reported once the text it swallowed is known.  The one exception is text that only *looked* like it might start a call and turned out
 not to (a partial marker at the end of the stream, a bare ``{`` that is not a
 ``{"name": ...}`` object for ``llama3_json``): that is returned as ``Text``.
 """
@@ -18,12 +20,14 @@ not to (a partial marker at the end of the stream, a bare ``{`` that is not a
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from .events import Event, Text, ToolCallStart
 
 IdFactory = Callable[[], str]
+_T = TypeVar("_T")
 
 
 def random_call_id() -> str:
@@ -51,23 +55,26 @@ def split_text(buf: str, markers: Sequence[str]) -> tuple[int, str | None]:
     some marker and must be held back until more input disambiguates it (so a
     delta ending in ``<tool_`` is not emitted as text too early).
     """
-    best, found = -1, None
-    for m in markers:
-        i = buf.find(m)
-        if i != -1 and (best == -1 or i < best):
-            best, found = i, m
-    if found is not None:
-        return best, found
     n = len(buf)
-    hold = n
+    best, found, hold = -1, None, n
     for m in markers:
+        i = buf.find(m[0])
+        if i == -1:
+            continue  # the common case for prose: one C-level scan per marker
+        j = buf.find(m, i)
+        if j != -1:
+            if best == -1 or j < best:
+                best, found = j, m
+            continue
         start = n - len(m) + 1
-        i = buf.find(m[0], start if start > 0 else 0)
+        i = buf.find(m[0], start if start > i else i)
         while i != -1 and i < hold:
             if m.startswith(buf[i:]):
                 hold = i
                 break
             i = buf.find(m[0], i + 1)
+    if found is not None:
+        return best, found
     return hold, None
 
 
@@ -97,7 +104,10 @@ class StreamingParser:
         if self._finished:
             raise RuntimeError("feed() after finish()")
         if delta:
-            self._buf += delta
+            buf, self._buf = self._buf, ""
+            buf += delta  # grows in place when it can (refcount 1)
+            self._buf = buf
+            del buf
             self._feed()
         out, self._out = self._out, []
         return out
@@ -136,6 +146,21 @@ class StreamingParser:
         self._next_index += 1
         self._out.append(ToolCallStart(index, self._new_id(), name))
         return index
+
+
+def quietly(fn: Callable[..., _T], *args: object) -> _T:
+    """Call ``fn`` (``ast.parse``, ``ast.literal_eval``) with warnings silenced.
+
+    Model-written code with e.g. an invalid escape sequence would otherwise
+    print a SyntaxWarning on the gateway's stderr every time it is parsed.
+    Those warnings come from backslash escapes, so text without a backslash
+    skips the (global, microseconds-costly) warnings-filter juggling.
+    """
+    if not any(type(a) is str and "\\" in a for a in args):
+        return fn(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args)
 
 
 ParserFactory = Callable[[], StreamingParser]

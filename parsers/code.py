@@ -11,20 +11,13 @@ execution).  Fences in other languages are passed through as ``Text``.
 from __future__ import annotations
 
 import ast
-import json
+import re
+from json.encoder import encode_basestring_ascii as _escape  # C speed, same output as json.dumps
 from collections.abc import Iterable
 
-from .base import IdFactory, StreamingParser
+from .base import IdFactory, StreamingParser, quietly
 from .events import ArgumentsDelta, LineComplete, ParserError, ToolCallEnd
 
-_COMPOUND = (
-    ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try,
-    ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Match,
-)  # fmt: skip
-try:  # Python 3.11+
-    _COMPOUND += (ast.TryStar,)
-except AttributeError:  # pragma: no cover
-    pass
 _BLOCK_WORDS = frozenset(("def", "class", "if", "for", "while", "with", "try", "async", "match"))
 _CONTINUATIONS = frozenset(("else", "elif", "except", "finally"))
 
@@ -34,35 +27,59 @@ def _first_word(line: str) -> str:
     return word.split(":", 1)[0].split("(", 1)[0]
 
 
+_LEX = re.compile(r"""[\\'"#()\[\]{}]""")
+_STR_END = {q: re.compile(r"\\.|" + q) for q in ("'", '"', "'''", '"""')}
+_OPEN = frozenset("([{")
+
+
 class PythonStatementSplitter:
     """Group source lines into complete top-level Python statements.
 
-    Fed one full line at a time.  A simple statement is released as soon as it
-    parses (``x = f(1,\\n 2)`` once the ``)`` line arrives); a compound statement
-    (``def``, ``for``, ``if``, decorators, ...) is released when the next
-    top-level line that cannot continue it starts, or at :meth:`flush`, because
-    until then more indented lines, ``else:`` or ``except:`` may follow.
-    Parsing is attempted only at those decision points, not on every token.
+    Fed one full line at a time.  A cheap lexical scan (brackets, strings
+    including triple-quoted ones, comments, backslash continuations) tells when a
+    logical line is closed, exactly as Python's tokenizer ends a logical line, so
+    a simple statement is released the moment it closes (``x = f(1,`` waits for
+    the ``)`` line).  A compound statement (``def``, ``for``, ``if``, decorators,
+    ...) is released when the next top-level line that cannot continue it
+    arrives (not ``else:``/``except:``/``finally:``) and :func:`ast.parse`
+    confirms the block is complete, or at :meth:`flush`.  ``ast`` runs once per
+    block boundary, never per token.
     """
 
     def __init__(self) -> None:
         self._lines: list[str] = []
-        self._block = False  # pending statement opened a block (or a decorator)
+        self._block = False  # pending statement opened a block (or is a decorator)
+        self._decorator = False  # last top-level line was a decorator
+        self._depth = 0  # open brackets
+        self._quote = ""  # open string delimiter
+        self._cont = False  # last line ended in a backslash continuation
 
     def push(self, line: str) -> list[str]:
         """Add one line (without its newline); return statements now complete."""
         done: list[str] = []
         stripped = line.strip()
+        closed = not (self._depth > 0 or self._quote or self._cont)
         if not self._lines:
             if not stripped or stripped.startswith("#"):
                 return done
             self._block = stripped[0] == "@" or _first_word(stripped) in _BLOCK_WORDS
-        elif self._block and stripped and not line[0].isspace() and not stripped.startswith("#"):
-            if _first_word(stripped) not in _CONTINUATIONS and self._complete():
-                done.append(self._take())
-                self._block = stripped[0] == "@" or _first_word(stripped) in _BLOCK_WORDS
+        elif (
+            self._block
+            and closed
+            and stripped
+            and not line[0].isspace()
+            and not stripped.startswith("#")
+            and not self._decorator
+            and _first_word(stripped) not in _CONTINUATIONS
+            and self._parses()
+        ):
+            done.append(self._take())
+            self._block = stripped[0] == "@" or _first_word(stripped) in _BLOCK_WORDS
+        if closed and stripped and not line[0].isspace() and not stripped.startswith("#"):
+            self._decorator = stripped[0] == "@"
         self._lines.append(line)
-        if not self._block and self._complete():
+        self._scan(line)
+        if not self._block and not (self._depth > 0 or self._quote or self._cont):
             done.append(self._take())
         return done
 
@@ -70,9 +87,45 @@ class PythonStatementSplitter:
         """End of code: whatever is pending is the last statement."""
         return [self._take()] if self._lines else []
 
-    def _complete(self) -> bool:
+    def _scan(self, line: str) -> None:
+        depth, q = self._depth, self._quote
+        i, n = 0, len(line)
+        cont = False
+        while i < n:
+            if q:
+                m = _STR_END[q].search(line, i)
+                if m is None:
+                    if len(q) == 1 and not line.endswith("\\"):
+                        q = ""  # unterminated one-line string: a syntax error, not our problem
+                    break
+                i = m.end()
+                if m.group() == q:
+                    q = ""
+                continue
+            m = _LEX.search(line, i)
+            if m is None:
+                break
+            c = m.group()
+            i = m.end()
+            if c == "#":
+                break
+            if c == "\\":
+                cont = i == n
+            elif c == "'" or c == '"':
+                if line.startswith(c * 3, i - 1):
+                    q = c * 3
+                    i += 2
+                else:
+                    q = c
+            elif c in _OPEN:
+                depth += 1
+            else:
+                depth -= 1
+        self._depth, self._quote, self._cont = depth, q, cont
+
+    def _parses(self) -> bool:
         try:
-            ast.parse("\n".join(self._lines) + "\n")
+            quietly(ast.parse, "\n".join(self._lines) + "\n")
         except SyntaxError:
             return False
         return True
@@ -80,7 +133,8 @@ class PythonStatementSplitter:
     def _take(self) -> str:
         text = "\n".join(self._lines).rstrip()
         self._lines = []
-        self._block = False
+        self._block = self._decorator = self._cont = False
+        self._depth, self._quote = 0, ""
         return text
 
 
@@ -175,14 +229,14 @@ class MarkdownCodeParser(StreamingParser):
                 return
             rest = buf[start - 1 - len(line) + self._sent : start]
             self._sent = 0
-            out.append(ArgumentsDelta(index, json.dumps(rest)[1:-1]))
+            out.append(ArgumentsDelta(index, _escape(rest)[1:-1]))
             self._code.append(line)
             self._line(line)
         partial = buf[start:]
         self._buf = partial
         head = partial.lstrip(" ")
         if not (head.startswith(self.FENCE) or self.FENCE.startswith(head)) and len(partial) > self._sent:
-            out.append(ArgumentsDelta(index, json.dumps(partial[self._sent :])[1:-1]))
+            out.append(ArgumentsDelta(index, _escape(partial[self._sent :])[1:-1]))
             self._sent = len(partial)
 
     def _line(self, line: str) -> None:

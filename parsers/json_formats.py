@@ -22,6 +22,26 @@ class _JsonEnvelopeParser(StreamingParser):
         super().__init__(id_factory=id_factory)
         self._state = "text"
         self._call: JsonCall | None = None
+        # An error outside any call (bad envelope) is reported once the text it
+        # swallowed is known, at recovery or end of stream, so its ``raw`` does
+        # not depend on how the deltas were split.
+        self._skip_msg: str | None = None
+        self._skip_raw = ""
+
+    def _envelope_error(self, msg: str) -> None:
+        self._skip_msg = msg
+        self._skip_raw = ""
+        self._state = "skip"
+
+    def _skipped(self, raw: str) -> None:
+        if self._skip_msg is not None:
+            self._skip_raw += raw
+
+    def _end_skip(self) -> None:
+        if self._skip_msg is not None:
+            self._out.append(ParserError(None, self._skip_msg, self._skip_raw))
+            self._skip_msg = None
+            self._skip_raw = ""
 
     def _run_call(self) -> str:
         """Feed ``_buf`` to the current call; return 'done', 'error' or 'wait'.
@@ -83,9 +103,8 @@ class HermesParser(_JsonEnvelopeParser):
                 if not rest:
                     return
                 if rest[0] != "{":
-                    self._out.append(ParserError(None, "expected '{' after <tool_call>", ""))
+                    self._envelope_error("expected '{' after <tool_call>")
                     self._buf = rest
-                    self._state = "skip"
                     continue
                 self._call = JsonCall(self)
                 self._buf = rest
@@ -114,8 +133,11 @@ class HermesParser(_JsonEnvelopeParser):
                 k = buf.find(self.CLOSE)
                 if k == -1:
                     end, _ = split_text(buf, (self.CLOSE,))
+                    self._skipped(buf[:end])
                     self._buf = buf[end:]
                     return
+                self._skipped(buf[:k])
+                self._end_skip()
                 self._buf = buf[k + len(self.CLOSE) :]
                 self._state = "text"
 
@@ -127,6 +149,9 @@ class HermesParser(_JsonEnvelopeParser):
             self._out.append(ParserError(None, "unterminated tool call", self._buf))
         elif st == "call":
             self._unterminated()
+        elif st == "skip":
+            self._skipped(self._buf)
+            self._end_skip()
         self._buf = ""
 
 
@@ -137,7 +162,9 @@ class MistralParser(_JsonEnvelopeParser):
     format of Mistral Small 3.2 / Magistral / Devstral,
     ``[TOOL_CALLS]name[ARGS]{...}`` (one marker per call).  Everything after
     ``[TOOL_CALLS]`` belongs to calls, so after a malformed call the rest of the
-    stream is discarded (one ``ParserError`` is emitted at the failure).
+    stream is discarded: a call that had started fails at once (``ParserError``
+    with its index); a broken envelope (no call started) is reported at end of
+    stream with everything it swallowed as ``raw``.
     """
 
     name = "mistral"
@@ -177,21 +204,21 @@ class MistralParser(_JsonEnvelopeParser):
                     self._buf = rest
                     self._state = "v11name"
                 else:
-                    self._error(None, "expected '[' after [TOOL_CALLS]", rest)
+                    self._envelope_error("expected '[' after [TOOL_CALLS]")
             elif st == "v11name":
                 k = buf.find(self.ARGS)
+                end = k if k != -1 else split_text(buf, (self.ARGS,))[0]
+                if not all(ch.isalnum() or ch in "_-." for ch in buf[:end].strip(_WS)):
+                    self._envelope_error("bad function name after [TOOL_CALLS]")
+                    continue
                 if k == -1:
-                    end, _ = split_text(buf, (self.ARGS,))
-                    if not all(ch.isalnum() or ch in "_-." for ch in buf[:end].strip(_WS)):
-                        self._error(None, "bad function name after [TOOL_CALLS]", buf)
-                        continue
                     return
-                name = buf[:k].strip()
+                name = buf[:k].strip(_WS)
                 rest = buf[k + len(self.ARGS) :].lstrip(_WS)
                 if not rest:
                     return  # wait for the '{' (the name is re-read next time)
                 if rest[0] != "{" or not name:
-                    self._error(None, "expected '{' after [ARGS]", buf)
+                    self._envelope_error("expected '{' after [ARGS]")
                     continue
                 self._call = JsonCall(self, name=name)
                 self._buf = rest
@@ -209,7 +236,7 @@ class MistralParser(_JsonEnvelopeParser):
                     self._buf = rest[1:]
                     self._state = "text"
                 else:
-                    self._error(None, "expected a tool-call object", rest)
+                    self._envelope_error("expected a tool-call object")
             elif st == "call":
                 r = self._run_call()
                 if r == "wait":
@@ -230,14 +257,11 @@ class MistralParser(_JsonEnvelopeParser):
                     self._buf = rest[1:]
                     self._state = "text"
                 else:
-                    self._error(None, "expected ',' or ']' between tool calls", rest)
+                    self._envelope_error("expected ',' or ']' between tool calls")
             else:  # skip: everything after a broken call is discarded
+                self._skipped(buf)
                 self._buf = ""
                 return
-
-    def _error(self, index: int | None, msg: str, raw: str) -> None:
-        self._out.append(ParserError(index, msg, raw))
-        self._state = "skip"
 
     def _finish(self) -> None:
         st = self._state
@@ -247,6 +271,8 @@ class MistralParser(_JsonEnvelopeParser):
             self._unterminated()
         elif st in ("open", "elem", "sep", "v11name") and (st != "sep" or self._buf.strip(_WS)):
             self._out.append(ParserError(None, "unterminated tool-call list", self._buf))
+        elif st == "skip":
+            self._end_skip()
         self._buf = ""
 
 
@@ -287,6 +313,7 @@ class Llama3JsonParser(_JsonEnvelopeParser):
                 elif self.MARK.startswith(rest):
                     return
                 elif rest[0] == "{":
+                    self._prefix = buf[: len(buf) - len(rest)]  # leading whitespace, kept if not a call
                     self._buf = rest
                     self._tentative = True
                     self._state = "pre"
@@ -306,9 +333,8 @@ class Llama3JsonParser(_JsonEnvelopeParser):
                 rest = buf.lstrip(_WS)
                 if not rest:
                     return
-                if rest[0] != "{":
-                    self._emit_text(self._prefix + buf)
-                    self._buf = ""
+                if rest[0] != "{":  # not JSON: give the marker back as text, rescan the rest
+                    self._emit_text(self._prefix)
                     self._state = "text"
                     continue
                 self._call = JsonCall(self, tentative=self._tentative)
@@ -324,7 +350,7 @@ class Llama3JsonParser(_JsonEnvelopeParser):
                 call = self._call
                 assert call is not None
                 if call.index is None and self._tentative:
-                    self._emit_text(call.text[: call.pos])
+                    self._emit_text(self._prefix + call.text[: call.pos])
                     self._state = "text"
                 else:
                     self._call_error()
@@ -354,7 +380,7 @@ class Llama3JsonParser(_JsonEnvelopeParser):
             call = self._call
             assert call is not None
             if call.index is None and self._tentative:
-                self._emit_text(call.text)
+                self._emit_text(self._prefix + call.text)
             else:
                 self._unterminated()
         self._buf = ""

@@ -60,7 +60,7 @@ class JsonCall:
 
     __slots__ = (
         "p", "text", "pos", "stack", "modes", "keys", "vstart", "in_str", "str_start",
-        "done", "end", "error", "index", "name", "pending", "args_from", "bare", "tentative",
+        "done", "end", "error", "index", "name", "pending", "args_from", "bare", "tentative", "args_sent",
     )
 
     def __init__(self, parser: StreamingParser, *, name: str | None = None, tentative: bool = False) -> None:
@@ -82,19 +82,32 @@ class JsonCall:
         self.args_from = -1  # start of the not-yet-emitted arguments text, -1 when not streaming
         self.bare = name is not None
         self.tentative = tentative
+        self.args_sent = False  # whether any ArgumentsDelta went out
         if name is not None:
             self._begin(name)
             self.args_from = 0
 
     # -- feeding ------------------------------------------------------------
     def feed(self, chunk: str) -> None:
-        self.text += chunk
+        # Detach before appending so CPython can grow the string in place
+        # (its refcount is 1): ``self.text += chunk`` would copy the whole call
+        # on every token, O(n^2) for long arguments.
+        text = self.text
+        self.text = ""
+        text += chunk
+        self.text = text
+        del text
         self._scan()
         if not self.done and self.error is None and self.args_from >= 0 and self.pos > self.args_from:
             self._delta(self.text[self.args_from : self.pos])
             self.args_from = self.pos
 
     def _fail(self, msg: str, at: int) -> bool:
+        # Deltas up to the failure point go out first, so the events do not
+        # depend on whether earlier deltas were flushed at a feed boundary.
+        if self.args_from >= 0 and at > self.args_from:
+            self._delta(self.text[self.args_from : at])
+            self.args_from = -1
         self.error = msg
         self.pos = at
         return False
@@ -299,6 +312,8 @@ class JsonCall:
         if self.args_from >= 0:  # bare mode: the object itself is the arguments
             self._delta(self.text[self.args_from : end])
             self.args_from = -1
+        elif not self.args_sent:  # no arguments key: clients still get "{}"
+            self._delta("{}")
         self.done = True
         self.end = end
         self.p._out.append(ToolCallEnd(self.index, self.name, args))  # type: ignore[arg-type]
@@ -315,6 +330,7 @@ class JsonCall:
         self.pending = None
 
     def _delta(self, fragment: str) -> None:
+        self.args_sent = True
         if self.index is None:
             self.pending.append(("d", fragment))  # type: ignore[union-attr]
         else:

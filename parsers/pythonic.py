@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from .base import IdFactory, StreamingParser, split_text
+from .base import IdFactory, StreamingParser, quietly, split_text
 from .events import ArgumentsDelta, FieldComplete, ParserError, ToolCallEnd
 
 _WS = " \t\r\n"
@@ -90,9 +90,8 @@ class PythonicParser(StreamingParser):
                 if rest[0] == "[":
                     self._buf = rest
                     self._state = "cand"
-                else:
-                    self._emit_text(self._prefix + buf)
-                    self._buf = ""
+                else:  # not a call list after all: rescan the rest as text
+                    self._emit_text(self._prefix)
                     self._state = "text"
             elif st == "cand":
                 if _CALL_HEAD.match(buf):
@@ -103,12 +102,13 @@ class PythonicParser(StreamingParser):
                 elif _MAYBE_HEAD.match(buf) and not final:
                     return
                 else:
-                    self._emit_text(self._prefix + buf)
-                    self._buf = ""
+                    self._emit_text(self._prefix)
                     self._state = "text"
             elif st == "list":
-                self._s += buf
-                self._buf = ""
+                s, self._s = self._s, ""
+                s += buf  # in place (refcount 1): no O(n^2) copying of long lists
+                self._s, self._buf = s, ""
+                del s
                 self._scan(final)
                 if self._state == "list":
                     return
@@ -228,10 +228,12 @@ class PythonicParser(StreamingParser):
             return False
         key = m.group(1)
         try:
-            value = ast.literal_eval(m.group(2).strip(_WS))
+            value = quietly(ast.literal_eval, m.group(2).strip(_WS))
             encoded = json.dumps(value)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
-            self._error(f"bad value for {key!r}: {e}", at)
+            if not isinstance(value, (str, int, float, bool)) and value is not None:
+                value = json.loads(encoded)  # tuples -> lists: what a JSON client would see
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            self._error(f"bad value for {key!r}: not a literal: {m.group(2).strip(_WS)!r}", at)
             return False
         index = self._index
         assert index is not None
