@@ -52,6 +52,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace):
+    from interlace.gateway.config import ConfigError, load_config, parse_config
+
+    try:
+        if args.config:
+            return load_config(args.config)
+        return parse_config({"models": {"smollm2": {"path": "embedded"}}}, "<built-in default>")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from interlace.gateway.app import create_app
+
+    cfg = _config(args)
+    host, port = args.host or cfg.host, args.port if args.port is not None else cfg.port
+    app = create_app(cfg)
+    uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    import json
+
+    from interlace.gateway.plugin_host import list_plugins
+
+    cfg = _config(args)
+    plugins = list_plugins(cfg.tools)
+    if args.json:
+        print(json.dumps(plugins, indent=2))
+        return 0
+    for p in plugins:
+        print(f"{p['name']} {p.get('version') or ''}".rstrip())
+        for t in p.get("tools", []):
+            state = "" if t.get("enabled", True) else "  (disabled: needs settings)"
+            print(f"  tool    {t['name']}{state}")
+        for name in p.get("parsers", []):
+            print(f"  parser  {name}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
         from interlace.bench import engine as bench_engine
@@ -79,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible gateway")
+    s.add_argument("--config", help="YAML config (default: the embedded model with built-in plugins)")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(fn=cmd_serve)
+
+    pl = sub.add_parser("plugins", help="list installed plugins, their tools and parsers")
+    pl.add_argument("--config", help="YAML config whose tool settings to apply")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=cmd_plugins)
 
     b = sub.add_parser("bench", help="run a benchmark (engine)")
     b.add_argument("what", choices=["engine"])

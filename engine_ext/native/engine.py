@@ -128,6 +128,14 @@ class NativeEngine:
     async def free_context(self, context_id: Hashable) -> None:
         await self._call(self._cmd_free, context_id)
 
+    def free_context_nowait(self, context_id: Hashable) -> None:
+        """Queue a free without waiting (for cleanup code that may itself be
+        cancelled, e.g. when an HTTP client disconnects).  Errors are ignored:
+        the context may be gone already."""
+        if not self._closed:
+            self._cmds.put((lambda fut: self._cmd_free(fut, context_id) if context_id in self.contexts
+                            else fut.set_result(None), None))
+
     async def pause(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
         await self._call(self._cmd_pause, context_id, hint)
 

@@ -1,0 +1,275 @@
+"""One chat completion as a stream of high-level events, shared by the
+streaming and non-streaming HTTP responses.
+
+Client-side tools (standard OpenAI): the model's output is parsed as it
+decodes; tool calls end the response with ``finish_reason="tool_calls"``.
+
+Server-side tools (Interlace extension): the gateway runs plugin tools itself
+and drives the agent loop inside one engine context (Conveyor + InferCept):
+
+    decode -> the parser sees a call start   -> the tool's worker starts
+           -> each completed field / line    -> fed to the tool at once
+           -> the call's end marker          -> the engine pauses the context
+           -> the result is appended          -> resume: decoding goes on
+
+An argument that fails the tool's schema aborts decoding of that call at
+once (the context is paused, the error becomes the call's result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from ..engine_ext.errors import EngineError
+from ..engine_ext.protocol import PauseHint, SamplingParams
+from ..parsers.events import ArgumentsDelta, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd, ToolCallStart
+from .chat import ToolFormat, tool_results_turn
+from .tools import InvalidToolArguments, ToolError
+
+
+# ------------------------------------------------------------------ events out
+@dataclass
+class Content:
+    text: str
+
+
+@dataclass
+class CallStart:
+    index: int
+    id: str
+    name: str
+    server: bool = False
+
+
+@dataclass
+class CallArgs:
+    index: int
+    fragment: str
+
+
+@dataclass
+class ServerToolResult:
+    """A server-side call that ran (the extension clients see)."""
+
+    index: int
+    id: str
+    name: str
+    arguments: Any
+    ok: bool
+    content: Any
+    error: Optional[str]
+    started_at: float
+    finished_at: float
+    partial_execution: bool
+    aborted_early: bool = False
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Finish:
+    reason: str
+    usage: Dict[str, int]
+
+
+@dataclass
+class CompletionPlan:
+    """Everything the HTTP layer decided about a request."""
+
+    prompt_ids: List[int]
+    sampling: SamplingParams
+    parse_tools: bool                       # run the tool-call parser on the output
+    server_tools: Dict[str, Any] = field(default_factory=dict)  # name -> Tool (runs here)
+    partial_execution: bool = True
+    max_tool_rounds: int = 8
+    request_info: Dict[str, Any] = field(default_factory=dict)
+
+
+class FirstRoundOnly:
+    """Wraps a logits processor so it stops applying once server-side tool
+    results have been appended (``tool_choice="required"`` forces the first
+    call, not the final answer)."""
+
+    def __init__(self, proc: Any):
+        self.proc = proc
+        self.active = True
+
+    def __call__(self, generated: Any, logits: Any) -> Any:
+        return self.proc(generated, logits) if self.active else logits
+
+
+@dataclass
+class _Call:
+    index: int
+    id: str
+    name: str
+    server: bool
+    runtime_call: Any = None
+    task: Optional[asyncio.Task] = None
+    arguments: Any = None
+    error: Optional[str] = None
+    aborted_early: bool = False
+    started_at: float = field(default_factory=time.time)
+
+
+async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
+                         metrics: Any = None) -> AsyncIterator[Any]:
+    """Yield Content / CallStart / CallArgs / ServerToolResult / Finish."""
+    engine = model.engine
+    ctx = f"chat-{uuid.uuid4().hex}"
+    fmt: ToolFormat = model.tool_format
+    server_mode = bool(plan.server_tools)
+    sampling = plan.sampling
+    if server_mode:
+        sampling = sampling.replace(pause_on=tuple(sampling.pause_on) + (fmt.call_end,))
+    prompt_tokens = len(plan.prompt_ids)
+    completion_tokens = 0
+    calls: List[_Call] = []
+    round_calls: List[_Call] = []
+    rounds = 0
+    finish_reason = "stop"
+    parser = model.new_parser() if plan.parse_tools else None
+    try:
+        await engine.fill(ctx, plan.prompt_ids)
+        stream = engine.generate(ctx, sampling)
+        async with contextlib.aclosing(stream):
+            async for ev in stream:
+                if ev.token_id is not None:
+                    completion_tokens += 1
+                events = parser.feed(ev.text) if parser is not None else ([Text(ev.text)] if ev.text else [])
+                if ev.finish_reason is not None and parser is not None:
+                    events += parser.finish()
+                abort_round = False
+                for pe in events:
+                    if isinstance(pe, Text):
+                        if pe.text:
+                            yield Content(pe.text)
+                    elif isinstance(pe, ToolCallStart):
+                        is_server = pe.name in plan.server_tools
+                        call = _Call(len(calls), pe.id, pe.name, is_server)
+                        calls.append(call)
+                        round_calls.append(call)
+                        yield CallStart(call.index, call.id, call.name, is_server)
+                        if is_server:
+                            call.runtime_call = await runtime.begin(pe.name, pe.id, partial=plan.partial_execution,
+                                                                    request=plan.request_info)
+                    elif isinstance(pe, ArgumentsDelta):
+                        call = _current(calls, pe.index, round_calls)
+                        if call is not None:
+                            yield CallArgs(call.index, pe.fragment)
+                    elif isinstance(pe, (FieldComplete, LineComplete)):
+                        call = _current(calls, pe.index, round_calls)
+                        if call is None or call.runtime_call is None or call.error:
+                            continue
+                        try:
+                            if isinstance(pe, FieldComplete):
+                                await call.runtime_call.field(pe.key, pe.value)
+                            else:
+                                await call.runtime_call.line(pe.line)
+                        except InvalidToolArguments as e:
+                            # Conveyor's early abort: stop decoding this call now.
+                            call.error, call.aborted_early = str(e), True
+                            abort_round = True
+                        except ToolError as e:
+                            call.error = str(e)
+                    elif isinstance(pe, ToolCallEnd):
+                        call = _current(calls, pe.index, round_calls)
+                        if call is None:
+                            continue
+                        call.arguments = pe.arguments
+                        if call.runtime_call is not None and not call.error:
+                            call.task = asyncio.ensure_future(call.runtime_call.finish(pe.arguments))
+                    elif isinstance(pe, ParserError):
+                        if pe.index is None and pe.raw:
+                            yield Content(pe.raw)
+                        elif pe.index is not None:
+                            call = _current(calls, pe.index, round_calls)
+                            if call is not None:
+                                call.error = call.error or f"malformed tool call: {pe.message}"
+                if abort_round and not ev.paused and ev.finish_reason is None:
+                    try:
+                        await engine.pause(ctx, PauseHint(tool=round_calls[-1].name))
+                        continue  # the paused event follows on the stream
+                    except EngineError:
+                        pass  # it paused or finished by itself meanwhile
+                if ev.paused:
+                    client_calls = [c for c in round_calls if not c.server]
+                    if client_calls or not round_calls or rounds >= plan.max_tool_rounds:
+                        finish_reason = "tool_calls" if client_calls or round_calls else "stop"
+                        break
+                    rounds += 1
+                    results = []
+                    for call in round_calls:
+                        res = await _result(call, metrics)
+                        yield res
+                        results.append(_result_text(res))
+                    appended = model.tokenizer.encode(tool_results_turn(model.tokenizer, fmt, results))
+                    prompt_tokens += len(appended)
+                    round_calls = []
+                    parser = model.new_parser()
+                    await engine.resume(ctx, appended)
+                    continue
+                if ev.finish_reason is not None:
+                    finish_reason = ev.finish_reason
+                    if any(not c.server for c in calls) and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                    elif round_calls and all(c.server for c in round_calls):
+                        for call in round_calls:  # calls that ended with the stream (no pause marker)
+                            yield await _result(call, metrics)
+        yield Finish(finish_reason, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                     "total_tokens": prompt_tokens + completion_tokens})
+    finally:
+        # Runs on success, error and client disconnect alike.  Nothing here
+        # awaits: a cancelled request's cleanup must not be cancelled too.
+        for call in calls:
+            if call.task is not None and not call.task.done():
+                call.task.cancel()
+            elif call.runtime_call is not None and call.task is None:
+                asyncio.ensure_future(_quiet(call.runtime_call.cancel()))
+        engine.free_context_nowait(ctx)
+
+
+def _current(calls: List[_Call], parser_index: Optional[int], round_calls: List[_Call]) -> Optional[_Call]:
+    """Map a parser's per-stream call index to our call (the parser restarts each round)."""
+    if parser_index is None or parser_index >= len(round_calls):
+        return None
+    return round_calls[parser_index]
+
+
+async def _result(call: _Call, metrics: Any) -> ServerToolResult:
+    started = call.started_at
+    if call.error or call.task is None:
+        if call.runtime_call is not None and call.task is None:
+            await _quiet(call.runtime_call.cancel())
+        res = ServerToolResult(call.index, call.id, call.name, call.arguments, False, None,
+                               call.error or "the tool call was not completed", started, time.time(),
+                               bool(getattr(call.runtime_call, "partial", False)), call.aborted_early)
+    else:
+        r = await call.task
+        res = ServerToolResult(call.index, call.id, call.name, call.arguments, r.ok, r.content,
+                               None if r.ok else f"{r.error_type}: {r.error}", r.started_at, r.finished_at,
+                               r.partial)
+    if metrics is not None:
+        metrics.tool_call(res.name, res.ok, res.finished_at - res.started_at)
+    return res
+
+
+def _result_text(res: ServerToolResult) -> str:
+    import json
+
+    if not res.ok:
+        return json.dumps({"error": res.error}, ensure_ascii=False)
+    return res.content if isinstance(res.content, str) else json.dumps(res.content, ensure_ascii=False)
+
+
+async def _quiet(aw: Any) -> None:
+    try:
+        await aw
+    except Exception:
+        pass
