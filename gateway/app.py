@@ -98,8 +98,12 @@ class Gateway:
                 raise api.APIError(500, f"model {spec.name!r}: unknown parser {spec.parser!r} "
                                         f"(installed: {', '.join(self.parsers.names())})")
         try:
+            engines: Dict[str, Any] = {}  # models that differ only in name/parser share one engine
             for spec in cfg.models.values():
-                engine = await asyncio.to_thread(self.engine_factory, spec)
+                key = json.dumps([spec.engine, spec.path, spec.engine_args], sort_keys=True)
+                if key not in engines:
+                    engines[key] = await asyncio.to_thread(self.engine_factory, spec)
+                engine = engines[key]
                 self.models[spec.name] = ModelServer(spec.name, spec, engine, self.parsers.get(spec.parser))
                 self.metrics.watch_engine(spec.name, lambda e=engine: e.blocks.num_used, engine.blocks.num_blocks)
             self.runtime = ToolRuntime(self.host.tools(), policy=self.host.before_tool_execution)
@@ -113,8 +117,8 @@ class Gateway:
         if self.runtime is not None:
             await self.runtime.close()
             self.runtime = None
-        for m in self.models.values():
-            await asyncio.to_thread(m.engine.close)
+        for engine in {id(m.engine): m.engine for m in self.models.values()}.values():
+            await asyncio.to_thread(engine.close)
         self.models.clear()
 
 
@@ -123,7 +127,7 @@ def load_engine(spec: ModelSpec) -> Any:
     from ..engine_ext.native.engine import NativeEngine
 
     path = embedded_model_dir() if spec.path == "embedded" else spec.path
-    return NativeEngine.load(path, name=spec.name, **spec.engine_args)
+    return NativeEngine.load(path, **spec.engine_args)
 
 
 # ===================================================================== routes

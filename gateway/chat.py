@@ -48,7 +48,46 @@ HERMES = HermesFormat(
     call_end="</tool_call>",
 )
 
-FORMATS: Dict[str, ToolFormat] = {"hermes": HERMES}
+class MarkdownFormat(ToolFormat):
+    """Code in a fenced block is run by the code tool (Conveyor's CodeGen)."""
+
+    def render_call(self, name: str, arguments: Any) -> str:
+        return f"```python\n{arguments.get('code', '')}\n```"
+
+    def render_result(self, content: str) -> str:
+        return f"Output:\n```\n{content}\n```"
+
+
+MARKDOWN = MarkdownFormat(
+    name="markdown",
+    instructions=("You can run Python code: write it in one ```python code block. It is executed and you "
+                  "will see its output.\n\nAvailable tools (for reference):\n{tools}"),
+    call_end="\n```\n",  # a closing fence; the opening one is followed by a language, not a newline
+)
+
+
+class PlanFormat(ToolFormat):
+    """LLMCompiler-style plans: one call per line, ``$N`` names results,
+    ``join()`` ends the plan (Conveyor's Planning workload)."""
+
+    def render_call(self, name: str, arguments: Any) -> str:
+        args = ", ".join(json.dumps(a) for a in arguments.get("args", []))
+        return f"${arguments.get('step', 1)} = {name}({args})"
+
+    def render_result(self, content: str) -> str:
+        return content
+
+
+PLAN = PlanFormat(
+    name="plan",
+    instructions=("Answer by writing a plan, one tool call per line, each naming its result:\n"
+                  '$1 = tool("argument")\n$2 = other_tool("uses $1")\n'
+                  "then a final line `join()`. The calls run; you then see every result and answer.\n\n"
+                  "Tools:\n{tools}"),
+    call_end="join()",
+)
+
+FORMATS: Dict[str, ToolFormat] = {"hermes": HERMES, "markdown": MARKDOWN, "plan": PLAN}
 
 
 def tool_format(parser: str) -> ToolFormat:

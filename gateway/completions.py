@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +32,9 @@ from ..engine_ext.protocol import PauseHint, SamplingParams
 from ..parsers.events import ArgumentsDelta, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd, ToolCallStart
 from .chat import ToolFormat, tool_results_turn
 from .tools import InvalidToolArguments, ToolError
+
+
+_REF = re.compile(r"\$\{?(\d+)\}?")
 
 
 # ------------------------------------------------------------------ events out
@@ -115,6 +120,7 @@ class _Call:
     arguments: Any = None
     error: Optional[str] = None
     aborted_early: bool = False
+    ignored: bool = False          # a plan's join(): ends the plan, runs nothing
     started_at: float = field(default_factory=time.time)
 
 
@@ -133,6 +139,7 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
     calls: List[_Call] = []
     round_calls: List[_Call] = []
     rounds = 0
+    deferred: List[_Call] = []
     finish_reason = "stop"
     parser = model.new_parser() if plan.parse_tools else None
     try:
@@ -151,6 +158,9 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                         if pe.text:
                             yield Content(pe.text)
                     elif isinstance(pe, ToolCallStart):
+                        if fmt.name == "plan" and pe.name == "join":  # end of plan, not a tool
+                            round_calls.append(_Call(-1, pe.id, pe.name, True, ignored=True))
+                            continue
                         is_server = pe.name in plan.server_tools
                         call = _Call(len(calls), pe.id, pe.name, is_server)
                         calls.append(call)
@@ -161,7 +171,7 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                                                                     request=plan.request_info)
                     elif isinstance(pe, ArgumentsDelta):
                         call = _current(calls, pe.index, round_calls)
-                        if call is not None:
+                        if call is not None and not call.ignored:
                             yield CallArgs(call.index, pe.fragment)
                     elif isinstance(pe, (FieldComplete, LineComplete)):
                         call = _current(calls, pe.index, round_calls)
@@ -184,7 +194,10 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                             continue
                         call.arguments = pe.arguments
                         if call.runtime_call is not None and not call.error:
-                            call.task = asyncio.ensure_future(call.runtime_call.finish(pe.arguments))
+                            if plan.partial_execution:
+                                call.task = asyncio.ensure_future(_execute(call, calls))
+                            else:  # baseline: tools start only once decoding of the round is over
+                                deferred.append(call)
                     elif isinstance(pe, ParserError):
                         if pe.index is None and pe.raw:
                             yield Content(pe.raw)
@@ -198,6 +211,11 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                         continue  # the paused event follows on the stream
                     except EngineError:
                         pass  # it paused or finished by itself meanwhile
+                if ev.paused or ev.finish_reason is not None:
+                    for call in deferred:
+                        call.task = asyncio.ensure_future(_execute(call, calls))
+                    deferred = []
+                    round_calls = [c for c in round_calls if not c.ignored]
                 if ev.paused:
                     client_calls = [c for c in round_calls if not c.server]
                     if client_calls or not round_calls or rounds >= plan.max_tool_rounds:
@@ -208,7 +226,10 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                     for call in round_calls:
                         res = await _result(call, metrics)
                         yield res
-                        results.append(_result_text(res))
+                        text = _result_text(res)
+                        if fmt.name == "plan" and isinstance(call.arguments, dict):
+                            text = f"${call.arguments.get('step')} = {text}"
+                        results.append(text)
                     appended = model.tokenizer.encode(tool_results_turn(model.tokenizer, fmt, results))
                     prompt_tokens += len(appended)
                     round_calls = []
@@ -233,6 +254,67 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
             elif call.runtime_call is not None and call.task is None:
                 asyncio.ensure_future(_quiet(call.runtime_call.cancel()))
         engine.free_context_nowait(ctx)
+
+
+async def _execute(call: _Call, calls: List[_Call]) -> Any:
+    """Finish a call.  A plan step first waits for the steps it references
+    and substitutes their results (LLMCompiler-style ``$N``)."""
+    args = call.arguments
+    if isinstance(args, dict) and "step" in args and "depends_on" in args:
+        by_step = {c.arguments.get("step"): c for c in calls
+                   if isinstance(c.arguments, dict) and "step" in c.arguments and c is not call}
+        values = {}
+        for n in args["depends_on"]:
+            dep = by_step.get(n)
+            if dep is None or dep.task is None:
+                raise_missing = f"step ${n} is not available"
+                return _failed_result(call, raise_missing)
+            res = await asyncio.shield(dep.task)
+            values[n] = _reference_value(res)
+        args = _plan_arguments(call.runtime_call.tool, args, values)
+    return await call.runtime_call.finish(args)
+
+
+def _reference_value(res: Any) -> str:
+    if not res.ok:
+        return f"(error: {res.error})"
+    c = res.content
+    if isinstance(c, dict) and "result" in c:  # calculator, python: the value itself
+        c = c["result"]
+    elif isinstance(c, dict) and isinstance(c.get("results"), list) and c["results"]:  # search: best hit
+        top = c["results"][0]
+        c = top.get("snippet") or top.get("text") or top if isinstance(top, dict) else top
+    if isinstance(c, str):
+        return c.strip()
+    return json.dumps(c, ensure_ascii=False)
+
+
+def _plan_arguments(tool: Any, step: Dict[str, Any], values: Dict[int, str]) -> Dict[str, Any]:
+    """Positional plan arguments -> the tool's named parameters (schema
+    order), with ``$N`` references replaced by earlier results."""
+    def sub(v: Any) -> Any:
+        if isinstance(v, str):
+            whole = _REF.fullmatch(v)
+            if whole and int(whole.group(1)) in values:
+                return values[int(whole.group(1))]
+            return _REF.sub(lambda m: values.get(int(m.group(1)), m.group(0)), v)
+        if isinstance(v, list):
+            return [sub(x) for x in v]
+        if isinstance(v, dict):
+            return {k: sub(x) for k, x in v.items()}
+        return v
+    names = list((tool.parameters or {}).get("properties", {}))
+    out = {names[i]: sub(v) for i, v in enumerate(step.get("args", [])) if i < len(names)}
+    out.update({k: sub(v) for k, v in (step.get("kwargs") or {}).items()})
+    return out
+
+
+def _failed_result(call: _Call, message: str) -> Any:
+    from types import SimpleNamespace
+
+    now = time.time()
+    return SimpleNamespace(ok=False, content=None, error=message, error_type="ToolError", started_at=call.started_at,
+                           finished_at=now, partial=False)
 
 
 def _current(calls: List[_Call], parser_index: Optional[int], round_calls: List[_Call]) -> Optional[_Call]:
@@ -261,8 +343,6 @@ async def _result(call: _Call, metrics: Any) -> ServerToolResult:
 
 
 def _result_text(res: ServerToolResult) -> str:
-    import json
-
     if not res.ok:
         return json.dumps({"error": res.error}, ensure_ascii=False)
     return res.content if isinstance(res.content, str) else json.dumps(res.content, ensure_ascii=False)
