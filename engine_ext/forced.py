@@ -9,26 +9,42 @@ through the same engine hook as constrained decoding.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 
 class ForcedOutput:
-    """Logits processor forcing ``token_ids``, then ``end_token_id`` (if given).
+    """Logits processor forcing a recording made of *pieces*, one per tool
+    round, then ``end_token_id`` (if given).
 
-    Uses only tensor methods, so it works with any engine's tensor type.
-    Past the end of the recording (and without an end token) it leaves the
-    logits alone.
+    A piece is followed by the next one directly, or -- when the caller
+    appends tool results and resumes -- from the start of the next piece
+    (:meth:`on_resume`), so a round cut short (a call aborted on an invalid
+    argument) does not replay the rest of its recording.  Uses only tensor
+    methods, so it works with any engine's tensor type.  Past the end of the
+    recording (without an end token) it leaves the logits alone.
     """
 
-    def __init__(self, token_ids: Sequence[int], end_token_id: Optional[int] = None):
-        self.token_ids = list(token_ids)
+    def __init__(self, pieces: Sequence[Sequence[int]], end_token_id: Optional[int] = None):
+        self.pieces: List[List[int]] = [list(p) for p in pieces] or [[]]
         if end_token_id is not None:
-            self.token_ids.append(end_token_id)
+            self.pieces[-1].append(end_token_id)
+        self.piece = 0
+        self.base = 0          # generated tokens before the current piece
+        self._advance = False
+
+    def on_resume(self) -> None:
+        self._advance = True
 
     def __call__(self, generated: Sequence[int], logits: Any) -> Any:
-        i = len(generated)
-        if i >= len(self.token_ids):
+        n = len(generated)
+        if self._advance:
+            self._advance = False
+            self.piece, self.base = self.piece + 1, n
+        while self.piece < len(self.pieces) and n - self.base >= len(self.pieces[self.piece]):
+            self.base += len(self.pieces[self.piece])  # piece done without a pause: the next follows
+            self.piece += 1
+        if self.piece >= len(self.pieces):
             return logits
         out = logits.new_full(logits.shape, float("-inf"))
-        out[self.token_ids[i]] = 0.0
+        out[self.pieces[self.piece][n - self.base]] = 0.0
         return out

@@ -83,13 +83,12 @@ class Gateway:
 
     async def start(self, app: Starlette) -> None:
         from ..parsers.base import ParserRegistry
-        from .plugin_host import PluginHost
+        from .plugin_host import BUILTIN_PLUGINS, PluginHost
         from .tool_runtime import ToolRuntime
 
         cfg = self.config
         self.host = PluginHost(cfg.tools, entrypoints=cfg.plugin_entrypoints,
-                               builtins=("interlace.plugins.builtin", "interlace.parsers.builtin",
-                                         *cfg.plugin_modules))
+                               builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules))
         self.parsers = ParserRegistry()
         for name, factory in self.host.parsers().items():
             self.parsers.register(name, factory)
@@ -256,9 +255,8 @@ def build_plan(gw: Gateway, model: ModelServer, body: Dict[str, Any]) -> Complet
         processors = tuple(FirstRoundOnly(p) for p in processors)
     if ext.get("replay") is not None:
         pieces = [ext["replay"]] if isinstance(ext["replay"], str) else ext["replay"]
-        ids = [t for piece in pieces for t in model.tokenizer.encode(piece)]
         eos = min(model.tokenizer.eos_token_ids) if model.tokenizer.eos_token_ids else None
-        processors = (ForcedOutput(ids, eos),)
+        processors = (ForcedOutput([model.tokenizer.encode(p) for p in pieces], eos),)
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens or room,
@@ -286,8 +284,10 @@ def constraint(model: ModelServer, body: Dict[str, Any], tools: List[Dict[str, A
     g = model.grammar()
     try:
         if forced is not None or choice == "required":
-            grammar = g.tool_calls(tools, force=forced, parallel=body.get("parallel_tool_calls") is not False,
-                                   fmt=model.tool_format.name)
+            # A named function means one call to it; "required" allows several calls only when asked
+            # explicitly (a grammar cannot make a small model stop, so it would repeat calls).
+            grammar = g.tool_calls(tools, force=forced, fmt=model.tool_format.name,
+                                   parallel=forced is None and body.get("parallel_tool_calls") is True)
         elif rf["type"] == "json_schema":
             grammar = g.json_schema(rf["json_schema"]["schema"])
         else:

@@ -105,6 +105,9 @@ class FirstRoundOnly:
         self.proc = proc
         self.active = True
 
+    def on_resume(self) -> None:
+        self.active = False
+
     def __call__(self, generated: Any, logits: Any) -> Any:
         return self.proc(generated, logits) if self.active else logits
 
@@ -234,6 +237,9 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                     prompt_tokens += len(appended)
                     round_calls = []
                     parser = model.new_parser()
+                    for proc in sampling.logits_processors:  # e.g. forced replay moves to its next piece
+                        if hasattr(proc, "on_resume"):
+                            proc.on_resume()
                     await engine.resume(ctx, appended)
                     continue
                 if ev.finish_reason is not None:

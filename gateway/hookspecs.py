@@ -34,6 +34,14 @@ def register_tools(register):
     ``register(tool)`` takes a tool object (see ``interlace.gateway.tools``):
     its name, JSON Schema, partial-execution granularity and the code that runs
     in a worker process.  Registering two tools under one name is an error.
+
+    Register a fresh, unconfigured instance: right after ``register`` returns,
+    the plugin host calls ``tool.configure(settings)`` with the settings the
+    gateway configuration holds under the tool's name (an empty dict if none),
+    so a hook never reads configuration itself.  A tool that cannot work
+    without a setting (a database path) sets ``enabled = False`` there; it is
+    then listed but not served.  Instances are pickled into worker processes,
+    so tool classes must be importable (module level, not in ``__main__``).
     """
 
 
@@ -52,8 +60,12 @@ def before_tool_execution(tool_name, arguments, request):
     """A policy hook called before a server-side tool call starts.
 
     Return a string to veto the call: the string becomes the call's error
-    result and the model sees it.  Return ``None`` to allow it.  ``arguments``
-    may be partial when the tool runs on partial arguments.
+    result and the model sees it.  Return ``None`` to allow it; the first
+    non-``None`` answer wins.  ``arguments`` may be partial when the tool runs
+    on partial arguments: the runtime asks once when the call begins (``{}``),
+    again before each field or code line is handed to the tool (the arguments
+    so far; code lines joined under the tool's ``line_field``), and once with
+    the complete arguments before the call finishes.  Keep it cheap.
     """
 
 

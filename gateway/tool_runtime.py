@@ -74,6 +74,7 @@ log = logging.getLogger(__name__)
 Policy = Callable[[str, dict[str, Any], Any], "str | None"]
 
 _tokens = itertools.count(1)
+_call_ids = itertools.count(1)
 
 
 @dataclass
@@ -399,23 +400,28 @@ class ToolCall:
 
     async def field(self, key: str, value: Any) -> None:
         """A top-level argument completed.  May raise :class:`InvalidToolArguments` at once."""
-        self._raise_if_failed()
-        if self.tool.validate_early:
-            try:
+        await self._raise_if_failed()
+        try:
+            if self.tool.validate_early:
                 self.tool.validate_field(key, value)
-            except InvalidToolArguments as exc:
-                self._fail(exc)
-                raise
-        self.fields[key] = value
-        self._check_policy(self._partial_arguments())
+            self.fields[key] = value
+            self._check_policy(self._partial_arguments())
+        except ToolError as exc:
+            self._fail(exc)
+            await self._abandon_worker()  # nothing more will reach it: free it now
+            raise
         if self._worker is not None and self.tool.granularity is Granularity.ON_FIELD:
             self._worker.send(("field", self.token, key, value))
 
     async def line(self, text: str) -> None:
         """A complete top-level code statement (delivered to ``ON_LINE`` tools)."""
-        self._raise_if_failed()
+        await self._raise_if_failed()
         self.lines.append(text)
-        self._check_policy(self._partial_arguments())
+        try:
+            self._check_policy(self._partial_arguments())
+        except ToolError:
+            await self._abandon_worker()
+            raise
         if self._worker is not None and self.tool.granularity is Granularity.ON_LINE:
             self._worker.send(("line", self.token, text))
 
@@ -441,14 +447,14 @@ class ToolCall:
                 await self._abandon_worker()
                 return self._make_result(ok=False)
             if self._worker is None:  # partial off or ON_FINISH: replay everything now
-                await self._attach_worker()
+                worker = await self._attach_worker()
                 kind = self.tool.granularity
                 if kind is Granularity.ON_FIELD:
                     for key, value in self.fields.items():
-                        self._worker.send(("field", self.token, key, value))
+                        worker.send(("field", self.token, key, value))
                 elif kind is Granularity.ON_LINE:
                     for text in self.lines:
-                        self._worker.send(("line", self.token, text))
+                        worker.send(("line", self.token, text))
             assert self._worker is not None and self._result is not None
             self._worker.send(("finish", self.token, arguments))
             try:
@@ -500,10 +506,11 @@ class ToolCall:
             self._fail(exc)
             raise exc
 
-    def _raise_if_failed(self) -> None:
+    async def _raise_if_failed(self) -> None:
         if self._done:
             raise RuntimeError(f"call {self.call_id!r} is over")
         if self.failure is not None:
+            await self._abandon_worker()
             raise self.failure
 
     def _fail(self, exc: ToolError) -> None:
@@ -516,7 +523,7 @@ class ToolCall:
             return InvalidToolArguments(field, message)
         return ToolError(message, error_type=error_type)
 
-    async def _attach_worker(self) -> None:
+    async def _attach_worker(self) -> _Worker:
         worker = await self.pool.acquire(self.runtime.acquire_timeout_s)
         worker.call = self
         self._worker = worker
@@ -525,6 +532,7 @@ class ToolCall:
         self._result = loop.create_future()
         self._cancel_ack = loop.create_future()
         worker.send(("start", self.token))
+        return worker
 
     def _on_message(self, msg: tuple[Any, ...]) -> None:
         op = msg[0]
@@ -561,6 +569,9 @@ class ToolCall:
         """Take the call off its worker: polite cancel, SIGKILL after a grace period."""
         worker = self._worker
         if worker is None or self._cancel_ack is None:
+            return
+        if worker.call is not self:  # already handed back
+            self._worker = None
             return
         worker.send(("cancel", self.token))
         try:
@@ -634,7 +645,7 @@ class ToolRuntime:
         self.acquire_timeout_s = acquire_timeout_s
         self.cancel_grace_s = cancel_grace_s
         self.stop_grace_s = stop_grace_s
-        self._ctx = multiprocessing.get_context(start_method)
+        self._ctx: Any = multiprocessing.get_context(start_method)
         self._pools: dict[str, _Pool] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._state = "new"
@@ -704,15 +715,15 @@ class ToolRuntime:
         call = ToolCall(
             self,
             pool,
-            call_id or f"call_{next(_tokens)}",
+            call_id or f"call_{next(_call_ids)}",
             partial=partial,
             request=request,
             timeout_s=timeout_s or pool.tool.timeout_s,
         )
         try:
             await call._open()
-        except ToolError:
-            pass  # held in call.failure; reported by field/line/finish
+        except ToolError as exc:
+            call._fail(exc)  # held by the call; reported by field/line/finish
         return call
 
     async def run(

@@ -241,6 +241,9 @@ class Tool:
         elif error.validator == "required":
             missing = [r for r in error.validator_value if r not in arguments]
             field = missing[0] if missing else None
+        elif error.validator in ("additionalProperties", "unevaluatedProperties", "propertyNames"):
+            field_validator, _ = self._validators()  # name the first key that fails on its own
+            field = next((k for k in arguments if _best_error(field_validator, {k: arguments[k]})), None)
         raise InvalidToolArguments(field, error.message)
 
     def _validators(self) -> tuple[Any, Any]:

@@ -210,7 +210,7 @@ class PythonTool(Tool):
                 pass
         if self.scratch_root:
             os.chdir(tempfile.mkdtemp(dir=self.scratch_root))
-        limits = {}
+        limits: dict[str, int | None] = {}
         for name, key, value in (("RLIMIT_AS", "memory_bytes", self.memory_mb << 20),
                                  ("RLIMIT_FSIZE", "file_size_bytes", self.file_size_mb << 20)):
             try:

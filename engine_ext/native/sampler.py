@@ -17,7 +17,9 @@ from .sequence import Generation
 
 
 def sample(logits: torch.Tensor, gens: Sequence[Generation]) -> List[Tuple[int, Optional[float]]]:
-    """``logits`` [R, V] float32, one row per generation; returns (token, logprob)."""
+    """``logits`` [R, V] float32, one row per generation; returns (token,
+    logprob) per row, or (-1, exception) for a row whose logits processor
+    raised -- that request fails alone, the rest of the batch goes on."""
     out: List[Tuple[int, Optional[float]]] = [(0, None)] * len(gens)
     simple = [i for i, g in enumerate(gens) if g.sampling.greedy and not g.sampling.logits_processors]
     if simple:
@@ -31,7 +33,10 @@ def sample(logits: torch.Tensor, gens: Sequence[Generation]) -> List[Tuple[int, 
     for i, g in enumerate(gens):
         if i in simple:
             continue
-        out[i] = sample_one(logits[i], g)
+        try:
+            out[i] = sample_one(logits[i], g)
+        except Exception as e:  # a broken processor (user code) must not take the batch down
+            out[i] = (-1, e)
     return out
 
 

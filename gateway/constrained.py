@@ -1,0 +1,412 @@
+"""Constrained decoding for the OpenAI API: ``response_format`` and ``tool_choice``.
+
+A request that asks for a JSON schema, any JSON object, or a forced tool call
+gets a logits processor (the engine's per-request hook, see
+:data:`interlace.engine_ext.protocol.LogitsProcessor`) that masks every token
+the grammar does not allow next.  Grammars and token masks come from
+`llguidance <https://github.com/guidance-ai/llguidance>`_: its Earley parser
+over a token trie computes a mask in tens of microseconds, supports JSON
+Schema natively and embeds JSON schemas inside Lark grammars (``%json{...}``),
+which is what tool calls need: a fixed envelope around per-tool arguments.
+
+Usage (the HTTP layer)::
+
+    gc = GrammarCompiler(engine.tokenizer, vocab_size=engine.vocab_size)  # once per model
+    try:
+        grammar = gc.json_schema(schema)          # or gc.json_object(), gc.tool_calls(...)
+    except GrammarError as e:
+        ...  # answer 400 with str(e)
+    sampling = SamplingParams(..., logits_processors=[gc.processor(grammar)])  # fresh per request
+
+JSON is generated compactly with ``json.dumps``-style separators (``", "`` and
+``": "``) and no other whitespace: small models given free whitespace tend to
+loop on newlines and indentation until ``max_tokens``, and the output is the
+same JSON either way.  The grammar cannot make a model *finish*: a model that
+keeps extending a string runs into ``max_tokens`` (finish_reason ``"length"``)
+with a truncated document, as with OpenAI.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+try:
+    import llguidance as llg
+except ImportError:  # pragma: no cover - llguidance is a dependency of constrained decoding only
+    llg = None  # type: ignore[assignment]
+
+__all__ = ["GrammarError", "ConstraintViolation", "Grammar", "GrammarCompiler", "GrammarProcessor",
+           "TOOL_CALL_FORMATS"]
+
+
+class GrammarError(ValueError):
+    """The requested constraint cannot be compiled: an invalid or unsupported
+    JSON schema, unknown tool, unsupported tool-call format.  The message is
+    meant for the API client (the HTTP layer answers 400 with it)."""
+
+
+class ConstraintViolation(RuntimeError):
+    """The grammar matcher rejected a token or reached an error state while
+    decoding.  Masking makes this impossible unless something outside the
+    processor changed the sampled token (or the processor was reused for a
+    second stream): it signals a bug, not a client error."""
+
+
+#: How JSON inside constrained output is laid out (llguidance JSON compile
+#: options): ``json.dumps`` separators, no free whitespace -- see the module doc.
+JSON_OPTIONS: Dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+_NO_PARAMETERS: Dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled, validated constraint.
+
+    ``spec`` is the llguidance grammar string (what :class:`llguidance.LLMatcher`
+    takes); ``kind`` says what it constrains (``"json_schema"``, ``"json_object"``,
+    ``"tool_calls"``, ``"lark"``), for logs and metrics.  ``_matcher`` is a
+    pristine matcher, built once at validation and deep-copied per request,
+    which is cheaper than compiling the grammar again.
+    """
+
+    spec: str
+    kind: str
+    _matcher: Any = field(default=None, repr=False, compare=False)
+
+
+# ============================================================ tool-call formats
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How constrained tool calls are laid out, as Lark fragments.
+
+    ``call(name_lit, args_rule)`` returns the Lark expression for one call of
+    a function (``name_lit`` is the JSON-encoded name as a Lark string
+    literal, ``args_rule`` the rule matching its arguments); the calls are
+    wrapped as ``open call (sep call)* close`` (or ``open call close`` when
+    parallel calls are off).  ``open``/``close``/``sep`` are Lark
+    expressions too, built by the compiler so that markers which are special
+    tokens in a model's vocabulary are matched as those tokens.
+    """
+
+    name: str
+    call: Callable[[str, str], str]
+    open: str = '""'
+    sep: str = '""'
+    close: str = '""'
+    #: markers that may be special tokens: Lark placeholder -> text
+    markers: Mapping[str, str] = field(default_factory=dict)
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal for ``text`` (Lark strings take JSON escapes)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+#: Supported ``fmt`` values of :meth:`GrammarCompiler.tool_calls`, named like
+#: the tool-call parsers (``interlace.parsers``) that read them back.
+TOOL_CALL_FORMATS: Dict[str, ToolCallFormat] = {
+    # <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, calls separated by a newline
+    "hermes": ToolCallFormat(
+        name="hermes",
+        call=lambda n, a: f'"<tool_call>\\n{{\\"name\\": " {n} ", \\"arguments\\": " {a} "}}\\n</tool_call>"',
+        sep=_lit("\n")),
+    # [TOOL_CALLS][{"name": "f", "arguments": {...}}, {...}]
+    "mistral": ToolCallFormat(
+        name="mistral",
+        call=lambda n, a: f'"{{\\"name\\": " {n} ", \\"arguments\\": " {a} "}}"',
+        open='@TOOL_CALLS "["', sep=_lit(", "), close='"]"',
+        markers={"@TOOL_CALLS": "[TOOL_CALLS]"}),
+    # {"name": "f", "parameters": {...}}; {...}   (Llama 3.1+ JSON tool calling)
+    "llama3_json": ToolCallFormat(
+        name="llama3_json",
+        call=lambda n, a: f'"{{\\"name\\": " {n} ", \\"parameters\\": " {a} "}}"',
+        sep=_lit("; ")),
+}
+
+
+# ==================================================================== compiler
+class GrammarCompiler:
+    """Builds grammars and per-request logits processors for one model.
+
+    Build it once per model: wrapping the tokenizer for llguidance (a token
+    trie over the whole vocabulary) takes a fraction of a second.  All
+    methods may be called from any thread; each processor is used by the
+    engine thread of one request only.
+
+    ``vocab_size`` is the model's logits width (its config's ``vocab_size``),
+    which may exceed the tokenizer's size (padded embeddings); the padding
+    ids have no text and are never allowed.
+    """
+
+    def __init__(self, tokenizer: Any, *, vocab_size: Optional[int] = None,
+                 eos_token_ids: Sequence[int] = (), cache_size: int = 128):
+        if llg is None:
+            raise RuntimeError("constrained decoding needs the llguidance package: pip install llguidance")
+        self.tokenizer = tokenizer
+        hf = tokenizer.tok  # tokenizers.Tokenizer
+        self.vocab_size = max(int(vocab_size or 0), int(getattr(tokenizer, "vocab_size", 0) or 0),
+                              hf.get_vocab_size(with_added_tokens=True))
+        self.eos_token_ids: Tuple[int, ...] = tuple(sorted(set(tokenizer.eos_token_ids) | set(eos_token_ids)))
+        if not self.eos_token_ids:
+            raise GrammarError("constrained decoding needs a model with an EOS token")
+        # to_str() is the tokenizer.json text; llguidance parses it with the same Rust library
+        self.ll_tokenizer = llg.LLTokenizer(hf.to_str(), n_vocab=self.vocab_size,
+                                            eos_token=list(self.eos_token_ids))
+        self._cache: "OrderedDict[str, Grammar]" = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- grammars
+    def json_schema(self, schema: Any) -> Grammar:
+        """Output must be one JSON document valid against ``schema``
+        (``response_format: {"type": "json_schema", "json_schema": {"schema": ...}}``).
+
+        Raises :class:`GrammarError` for a schema that is not a JSON object, is
+        not a valid JSON Schema, or uses keywords llguidance cannot enforce
+        (rather than silently generating output that may not validate).
+        """
+        schema = self._check_schema(schema, "response_format.json_schema.schema")
+        return self.compile(llg.LLMatcher.grammar_from_json_schema(self._with_options(schema)), "json_schema")
+
+    def json_object(self) -> Grammar:
+        """Output must be one JSON object (``response_format: {"type": "json_object"}``)."""
+        return self.compile(llg.LLMatcher.grammar_from_json_schema(self._with_options({"type": "object"})),
+                            "json_object")
+
+    def tool_calls(self, tools: Sequence[Mapping[str, Any]], *, force: Optional[str] = None,
+                   parallel: bool = True, fmt: str = "hermes") -> Grammar:
+        """Output must be tool calls and nothing else, then EOS.
+
+        For ``tool_choice="required"`` (``force=None``) each call may name any
+        of ``tools``; for ``tool_choice={"type": "function", "function":
+        {"name": N}}`` (``force=N``) only ``N``.  With ``parallel``
+        (``parallel_tool_calls``, default true) one or more calls, else exactly
+        one.  Each call's arguments match its function's ``parameters``
+        schema.  ``tools`` are OpenAI tool objects (``{"type": "function",
+        "function": {...}}``; bare function objects are accepted too).
+        ``fmt`` is one of :data:`TOOL_CALL_FORMATS`.
+        """
+        fmt_spec = TOOL_CALL_FORMATS.get(fmt)
+        if fmt_spec is None:
+            raise GrammarError(f"tool_choice cannot be enforced for the {fmt!r} tool-call format "
+                               f"(supported: {', '.join(TOOL_CALL_FORMATS)})")
+        functions = self._functions(tools)
+        if force is not None:
+            if force not in functions:
+                raise GrammarError(f"tool_choice names function {force!r}, which is not in tools")
+            functions = {force: functions[force]}
+        if not functions:
+            raise GrammarError("tool_choice needs at least one function tool")
+        rules: List[str] = []
+        alts: List[str] = []
+        for i, (name, params) in enumerate(functions.items()):
+            # the name is fixed text in the envelope: JSON-encode it, then quote that for Lark
+            rules.append(f"args_{i}: %json {json.dumps(self._with_options(params), ensure_ascii=False)}")
+            alts.append(fmt_spec.call(_lit(json.dumps(name, ensure_ascii=False)), f"args_{i}"))
+        more = f" ({fmt_spec.sep} call)*" if parallel else ""
+        head = [f"start: {fmt_spec.open} call{more} {fmt_spec.close}", "call: " + "\n    | ".join(alts)]
+        lark = "\n".join(head + rules) + "\n"
+        for placeholder, text in fmt_spec.markers.items():
+            lark = lark.replace(placeholder, self._marker(text))
+        try:
+            return self.compile(llg.LLMatcher.grammar_from_lark(lark), "tool_calls")
+        except GrammarError:
+            # llguidance's message quotes the whole Lark grammar: find the guilty tool for a clean one
+            for name, params in functions.items():
+                try:
+                    self.compile(llg.LLMatcher.grammar_from_json_schema(self._with_options(params)), "json_schema")
+                except GrammarError as e:
+                    raise GrammarError(f"tools: parameters of function {name!r}: {e}") from None
+            raise
+
+    def lark(self, grammar: str) -> Grammar:
+        """A raw Lark grammar (llguidance dialect), for callers with their own formats."""
+        return self.compile(llg.LLMatcher.grammar_from_lark(grammar), "lark")
+
+    def compile(self, spec: str, kind: str = "llguidance") -> Grammar:
+        """Validate an llguidance grammar string and keep a pristine matcher
+        for it.  Results are cached by ``spec`` (requests repeat the same
+        schema / tool list), so a repeated grammar costs one dict lookup."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
+        # compiling outside the lock: llguidance drops the GIL while it builds
+        matcher = llg.LLMatcher(self.ll_tokenizer, spec, log_level=0)
+        if matcher.is_error():
+            what = {"json_schema": "JSON schema", "tool_calls": "tool parameters schema"}.get(kind, "grammar")
+            raise GrammarError(f"unsupported or invalid {what}: {_clean(matcher.get_error())}")
+        grammar = Grammar(spec=spec, kind=kind, _matcher=matcher)
+        with self._lock:
+            self._cache[spec] = grammar
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    # --------------------------------------------------------------- processors
+    def processor(self, grammar: Grammar | str) -> "GrammarProcessor":
+        """A fresh logits processor for one request (it holds the parse
+        state, so never share one between requests)."""
+        if isinstance(grammar, str):
+            grammar = self.compile(grammar)
+        with self._lock:  # deep_copy reads the pristine matcher; keep it single-threaded
+            matcher = grammar._matcher.deep_copy()
+        return GrammarProcessor(matcher, self.eos_token_ids, self.vocab_size, kind=grammar.kind)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _check_schema(schema: Any, what: str) -> Dict[str, Any]:
+        if isinstance(schema, bool):  # JSON Schema's true / false
+            if not schema:
+                raise GrammarError(f"{what}: the schema `false` accepts no output")
+            return {}
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{what} must be a JSON object (a JSON Schema), got {type(schema).__name__}")
+        import jsonschema
+
+        try:
+            jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            path = "".join(f"[{p!r}]" for p in e.absolute_path)
+            raise GrammarError(f"{what} is not a valid JSON Schema: {e.message}"
+                               + (f" (at {path})" if path else "")) from None
+        return schema
+
+    @staticmethod
+    def _with_options(schema: Mapping[str, Any]) -> Dict[str, Any]:
+        """``schema`` with our layout options; a client's own ``x-guidance``
+        (llguidance's extension) is replaced, not merged, so clients cannot
+        switch on e.g. lenient mode."""
+        out = dict(schema)
+        out["x-guidance"] = dict(JSON_OPTIONS)
+        return out
+
+    def _functions(self, tools: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
+        """``{name: parameters schema}`` of the function tools, in order."""
+        if not isinstance(tools, (list, tuple)):
+            raise GrammarError("tools must be a list")
+        out: Dict[str, Dict[str, Any]] = {}
+        for i, t in enumerate(tools):
+            if not isinstance(t, Mapping):
+                raise GrammarError(f"tools[{i}] must be an object")
+            if t.get("type", "function") != "function":
+                continue  # other tool types (built-in server tools) take no part in tool_choice
+            fn = t.get("function", t)
+            name = fn.get("name") if isinstance(fn, Mapping) else None
+            if not isinstance(name, str) or not name:
+                raise GrammarError(f"tools[{i}].function.name must be a non-empty string")
+            if name in out:
+                raise GrammarError(f"tools: function name {name!r} appears twice")
+            params = fn.get("parameters")
+            out[name] = (copy.deepcopy(_NO_PARAMETERS) if params is None
+                         else self._check_schema(params, f"tools[{i}].function.parameters"))
+        return out
+
+    def _marker(self, text: str) -> str:
+        """A Lark expression for a format marker: the special token itself
+        when the vocabulary has it as one (models emit ``[TOOL_CALLS]`` as a
+        single special token, which a text literal would never match), else
+        the text."""
+        tid = self.tokenizer.tok.token_to_id(text)
+        if tid is not None and self.ll_tokenizer.is_special_token(tid):
+            return f"<[{tid}]>"
+        return _lit(text)
+
+
+def _clean(err: str) -> str:
+    """llguidance errors carry a grammar-position prefix that means nothing to a client."""
+    return err.strip().removeprefix("Error: ").strip()
+
+
+# =================================================================== processor
+class GrammarProcessor:
+    """Logits processor enforcing one grammar on one ``generate`` stream.
+
+    Each call feeds the tokens sampled since the previous call to the
+    matcher (the engine passes the whole list of generated tokens), then
+    masks the logits: allowed tokens keep their value, the others become
+    ``-inf``.  Once the grammar is complete only EOS remains allowed, so the
+    engine ends the stream with finish_reason ``"stop"``.
+
+    ``steps`` and ``overhead_s`` (total time spent in calls) are kept for
+    metrics and benchmarks.
+    """
+
+    def __init__(self, matcher: Any, eos_token_ids: Sequence[int], vocab_size: int, *, kind: str = "grammar"):
+        self.matcher = matcher
+        self.kind = kind
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.consumed = 0
+        self.steps = 0
+        self.overhead_s = 0.0
+        self._eos_only: Optional[np.ndarray] = None
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but EOS may follow."""
+        return self.matcher.is_stopped()
+
+    def __call__(self, generated: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        n = len(generated)
+        if n < self.consumed:
+            raise ConstraintViolation(f"{self.kind} processor saw {n} generated tokens after {self.consumed}: "
+                                      "a processor must not be shared between requests")
+        m = self.matcher
+        for tok in generated[self.consumed:n]:
+            if m.is_stopped():
+                break  # a token past the end (an EOS let through with ignore_eos): nothing left to match
+            if not m.consume_token(int(tok)):
+                raise ConstraintViolation(f"{self.kind} constraint rejected token {int(tok)} "
+                                          f"after {self.consumed} tokens: {_clean(m.get_error())}")
+        self.consumed = n
+        allowed = self._allowed(logits.shape[-1])
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            # numpy, not torch: torch's intra-op thread pool turns this 50k-element
+            # select into milliseconds when the cores are busy (the engine thread
+            # is running the model at the same time); numpy is single-threaded
+            out = np.full(allowed.shape[0], -np.inf, dtype=np.float32)
+            np.copyto(out, logits.detach().numpy(), where=allowed)
+            result = torch.from_numpy(out)
+        else:
+            mask = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
+            result = logits.masked_fill(~mask, float("-inf"))
+        self.steps += 1
+        self.overhead_s += time.perf_counter() - t0
+        return result
+
+    def _allowed(self, width: int) -> np.ndarray:
+        """Boolean mask over ``width`` logits."""
+        m = self.matcher
+        if m.is_stopped():
+            if self._eos_only is None or self._eos_only.shape[0] != width:
+                mask = np.zeros(width, dtype=np.bool_)
+                mask[[e for e in self.eos_token_ids if e < width]] = True
+                self._eos_only = mask
+            return self._eos_only
+        words = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        if m.is_error():
+            raise ConstraintViolation(f"{self.kind} constraint failed after {self.consumed} tokens: "
+                                      f"{_clean(m.get_error())}")
+        bits = np.unpackbits(words, bitorder="little").view(np.bool_)  # token i = bit i of the LE words
+        if bits.shape[0] >= width:
+            bits = bits[:width]
+        else:  # logits wider than the tokenizer: the extra ids have no text
+            bits = np.concatenate([bits, np.zeros(width - bits.shape[0], dtype=np.bool_)])
+        if m.is_accepting():  # llguidance allows the primary EOS; allow every EOS id the engine stops on
+            bits[[e for e in self.eos_token_ids if e < width]] = True
+        if not bits.any():
+            raise ConstraintViolation(f"{self.kind} constraint allows no token after {self.consumed} tokens")
+        return bits
