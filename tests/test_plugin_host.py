@@ -196,10 +196,12 @@ def test_example_plugin_discovered_through_entry_point(example_plugin_installed:
     assert example["package"] == "interlace-example-plugin" and example["version"] == "0.1.0"
     assert not example["builtin"] and example["hooks"] == ["register_tools"]
     assert [t["name"] for t in example["tools"]] == ["word_count"] and example["tools"][0]["granularity"] == "ON_FIELD"
-    builtin = next(p for p in listing.values() if p["builtin"])
-    assert builtin["package"] == "interlace" and builtin["version"]
-    assert {t["name"] for t in builtin["tools"]} >= {"python", "calculator", "sqlite", "search", "format"}
-    assert next(t for t in builtin["tools"] if t["name"] == "sqlite")["enabled"] is False
+    builtins = [p for p in listing.values() if p["builtin"]]  # built-in tools and built-in parsers
+    assert all(p["package"] == "interlace" and p["version"] for p in builtins)
+    tools = [t for p in builtins for t in p["tools"]]
+    assert {t["name"] for t in tools} >= {"python", "calculator", "sqlite", "search", "format"}
+    assert next(t for t in tools if t["name"] == "sqlite")["enabled"] is False
+    assert {n for p in builtins for n in p["parsers"]} >= {"hermes", "markdown", "plan"}
     import json
 
     json.dumps(host.list_plugins())  # plain data, ready for GET /v1/plugins
