@@ -28,7 +28,7 @@ from ..engine_ext.protocol import SamplingParams
 from . import openai_api as api
 from .chat import render_messages, tool_format
 from .completions import (CallArgs, CallStart, CompletionPlan, Content, Finish, FirstRoundOnly, ServerToolResult,
-                          run_completion)
+                          TokenLogprob, run_completion)
 from .config import GatewayConfig, ModelSpec
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 
@@ -270,6 +270,7 @@ def build_plan(gw: Gateway, model: ModelServer, body: Dict[str, Any]) -> Complet
     return CompletionPlan(prompt_ids=prompt, sampling=sampling, parse_tools=choice != "none" and bool(tools),
                           server_tools=server, partial_execution=ext.get("partial_execution", True),
                           max_tool_rounds=ext.get("max_tool_rounds", gw.config.max_tool_rounds),
+                          parallel_tool_calls=body.get("parallel_tool_calls") is not False,
                           request_info={"model": model.name, "user": body.get("user")})
 
 
@@ -303,12 +304,15 @@ async def collect(gw: Gateway, model: ModelServer, plan: CompletionPlan) -> Dict
     calls: Dict[int, Dict[str, Any]] = {}
     server_calls = set()
     results: List[Dict[str, Any]] = []
+    logprobs: List[Dict[str, Any]] = []
     finish: Optional[Finish] = None
     try:
         async with contextlib.aclosing(run_completion(model, plan, gw.runtime, gw.metrics)) as events:
             async for ev in events:
                 if isinstance(ev, Content):
                     content.append(ev.text)
+                elif isinstance(ev, TokenLogprob):
+                    logprobs.append(_logprob_entry(ev))
                 elif isinstance(ev, CallStart):
                     if ev.server:
                         server_calls.add(ev.index)
@@ -331,11 +335,16 @@ async def collect(gw: Gateway, model: ModelServer, plan: CompletionPlan) -> Dict
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     out = {"id": api.completion_id(), "object": "chat.completion", "created": api.now(), "model": model.name,
-           "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish.reason}],
+           "choices": [{"index": 0, "message": message, "finish_reason": finish.reason,
+                        "logprobs": {"content": logprobs, "refusal": None} if plan.sampling.logprobs else None}],
            "usage": finish.usage}
     if results:
         out["interlace"] = {"tool_calls": results}
     return out
+
+
+def _logprob_entry(ev: TokenLogprob) -> Dict[str, Any]:
+    return {"token": ev.text, "logprob": ev.logprob, "bytes": list(ev.text.encode()), "top_logprobs": []}
 
 
 async def stream_chunks(gw: Gateway, model: ModelServer, plan: CompletionPlan,
@@ -344,6 +353,7 @@ async def stream_chunks(gw: Gateway, model: ModelServer, plan: CompletionPlan,
     t0 = time.perf_counter()
     first = True
     server_calls = set()
+    pending_logprobs: List[Dict[str, Any]] = []
     yield api.sse(api.chunk(cid, name, created, {"role": "assistant", "content": ""}))
     try:
         async with contextlib.aclosing(run_completion(model, plan, gw.runtime, gw.metrics)) as events:
@@ -351,8 +361,14 @@ async def stream_chunks(gw: Gateway, model: ModelServer, plan: CompletionPlan,
                 if first and isinstance(ev, (Content, CallStart)):
                     gw.metrics.ttft.labels(name).observe(time.perf_counter() - t0)
                     first = False
-                if isinstance(ev, Content):
-                    yield api.sse(api.chunk(cid, name, created, {"content": ev.text}))
+                if isinstance(ev, TokenLogprob):
+                    pending_logprobs.append(_logprob_entry(ev))
+                elif isinstance(ev, Content):
+                    c = api.chunk(cid, name, created, {"content": ev.text})
+                    if pending_logprobs:
+                        c["choices"][0]["logprobs"] = {"content": pending_logprobs, "refusal": None}
+                        pending_logprobs = []
+                    yield api.sse(c)
                 elif isinstance(ev, CallStart):
                     if ev.server:
                         server_calls.add(ev.index)

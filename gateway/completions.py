@@ -78,6 +78,15 @@ class ServerToolResult:
 
 
 @dataclass
+class TokenLogprob:
+    """One sampled token's text and logprob (only when the request asks for logprobs)."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass
 class Finish:
     reason: str
     usage: Dict[str, int]
@@ -93,6 +102,7 @@ class CompletionPlan:
     server_tools: Dict[str, Any] = field(default_factory=dict)  # name -> Tool (runs here)
     partial_execution: bool = True
     max_tool_rounds: int = 8
+    parallel_tool_calls: bool = True        # False: stop after the first client-side call
     request_info: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -152,10 +162,13 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
             async for ev in stream:
                 if ev.token_id is not None:
                     completion_tokens += 1
+                    if ev.logprob is not None:
+                        yield TokenLogprob(ev.token_id, ev.text, ev.logprob)
                 events = parser.feed(ev.text) if parser is not None else ([Text(ev.text)] if ev.text else [])
                 if ev.finish_reason is not None and parser is not None:
                     events += parser.finish()
                 abort_round = False
+                stop_now = False
                 for pe in events:
                     if isinstance(pe, Text):
                         if pe.text:
@@ -196,6 +209,8 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                         if call is None:
                             continue
                         call.arguments = pe.arguments
+                        if not call.server and not plan.parallel_tool_calls:
+                            stop_now = True  # one client call asked for: stop decoding here
                         if call.runtime_call is not None and not call.error:
                             if plan.partial_execution:
                                 call.task = asyncio.ensure_future(_execute(call, calls))
@@ -208,6 +223,9 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                             call = _current(calls, pe.index, round_calls)
                             if call is not None:
                                 call.error = call.error or f"malformed tool call: {pe.message}"
+                if stop_now and ev.finish_reason is None:
+                    finish_reason = "tool_calls"
+                    break
                 if abort_round and not ev.paused and ev.finish_reason is None:
                     try:
                         await engine.pause(ctx, PauseHint(tool=round_calls[-1].name))

@@ -89,6 +89,8 @@ CHAT_REQUEST_SCHEMA = {
                            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
         "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},
         "logprobs": {"type": ["boolean", "null"]},
+        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 0,
+                         "description": "only 0 is supported: the sampled token's logprob is returned"},
         "user": {"type": "string"},
         "interlace": {
             "type": "object", "additionalProperties": False,

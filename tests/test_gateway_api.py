@@ -288,3 +288,19 @@ def test_response_format_json_schema_and_object(live, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="smollm2", messages=USER, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "x"}}})
+
+
+def test_logprobs_and_single_tool_call(live, client):
+    r = client.chat.completions.create(model="smollm2", messages=USER, max_tokens=5, temperature=0, logprobs=True)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens and all(t.logprob <= 0 for t in lp)
+    assert "".join(t.token for t in lp) == r.choices[0].message.content
+    two = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    both = client.chat.completions.create(model="smollm2", messages=USER, tools=[WEATHER], max_tokens=80,
+                                          extra_body={"interlace": {"replay": two}})
+    assert [json.loads(t.function.arguments)["city"] for t in both.choices[0].message.tool_calls] == ["Paris", "Rome"]
+    one = client.chat.completions.create(model="smollm2", messages=USER, tools=[WEATHER], max_tokens=80,
+                                         parallel_tool_calls=False, extra_body={"interlace": {"replay": two}})
+    assert len(one.choices[0].message.tool_calls) == 1 and one.choices[0].finish_reason == "tool_calls"
+    assert one.usage.completion_tokens < both.usage.completion_tokens  # decoding stopped after the first call
