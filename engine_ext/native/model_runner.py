@@ -76,4 +76,6 @@ class ModelRunner:
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta,
                             torch.tensor(logit_rows, dtype=torch.long, device=dev))
-        return logits, logit_chunks
+        # Sampling, seeded CPU generators and logits processors (grammar masks) work on
+        # host memory: one small copy per step, whatever the device.
+        return logits.float().cpu(), logit_chunks
