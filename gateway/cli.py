@@ -101,6 +101,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from interlace.bench import engine as bench_engine
 
         return bench_engine.main(args.rest)
+    if args.what == "tools":
+        from interlace.bench import tools as bench_tools
+
+        return bench_tools.main(args.rest)
     print(f"unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -137,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=cmd_plugins)
 
     b = sub.add_parser("bench", help="run a benchmark (engine)")
-    b.add_argument("what", choices=["engine"])
+    b.add_argument("what", choices=["engine", "tools"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
     return p

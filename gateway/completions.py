@@ -68,8 +68,10 @@ class ServerToolResult:
     ok: bool
     content: Any
     error: Optional[str]
-    started_at: float
-    finished_at: float
+    started_at: float                     # the call's name was decoded
+    tool_started_at: Optional[float]      # the tool began work (at started_at with partial execution)
+    arguments_done_at: Optional[float]    # the arguments were complete
+    finished_at: float                    # the result was there
     partial_execution: bool
     aborted_early: bool = False
 
@@ -128,8 +130,11 @@ class _Call:
     id: str
     name: str
     server: bool
-    runtime_call: Any = None
-    task: Optional[asyncio.Task] = None
+    tool: Any = None                                  # the Tool prototype (server calls)
+    runtime_call: Any = None                          # set by the driver once a worker is assigned
+    events: Optional[asyncio.Queue] = None            # parser events for the tool, in order
+    task: Optional[asyncio.Task] = None               # the driver: begin -> events -> finish -> ToolResult
+    finishing: bool = False
     arguments: Any = None
     error: Optional[str] = None
     aborted_early: bool = False
@@ -178,32 +183,33 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                             round_calls.append(_Call(-1, pe.id, pe.name, True, ignored=True))
                             continue
                         is_server = pe.name in plan.server_tools
-                        call = _Call(len(calls), pe.id, pe.name, is_server)
+                        call = _Call(len(calls), pe.id, pe.name, is_server, tool=plan.server_tools.get(pe.name))
                         calls.append(call)
                         round_calls.append(call)
                         yield CallStart(call.index, call.id, call.name, is_server)
-                        if is_server:
-                            call.runtime_call = await runtime.begin(pe.name, pe.id, partial=plan.partial_execution,
-                                                                    request=plan.request_info)
+                        if is_server and plan.partial_execution:
+                            _start(call, runtime, plan, calls)  # the tool starts now, decoding goes on
                     elif isinstance(pe, ArgumentsDelta):
                         call = _current(calls, pe.index, round_calls)
                         if call is not None and not call.ignored:
                             yield CallArgs(call.index, pe.fragment)
                     elif isinstance(pe, (FieldComplete, LineComplete)):
                         call = _current(calls, pe.index, round_calls)
-                        if call is None or call.runtime_call is None or call.error:
-                            continue
-                        try:
-                            if isinstance(pe, FieldComplete):
-                                await call.runtime_call.field(pe.key, pe.value)
-                            else:
-                                await call.runtime_call.line(pe.line)
-                        except InvalidToolArguments as e:
-                            # Conveyor's early abort: stop decoding this call now.
-                            call.error, call.aborted_early = str(e), True
-                            abort_round = True
-                        except ToolError as e:
-                            call.error = str(e)
+                        if call is None or call.events is None or call.error:
+                            continue  # client call, baseline mode (nothing early) or already failed
+                        if isinstance(pe, FieldComplete):
+                            try:
+                                if call.tool.validate_early:  # in-process, so a busy worker cannot delay it
+                                    call.tool.validate_field(pe.key, pe.value)
+                            except InvalidToolArguments as e:
+                                # Conveyor's early abort: stop decoding this call now.
+                                call.error, call.aborted_early = str(e), True
+                                call.events.put_nowait(("abandon",))
+                                abort_round = True
+                                continue
+                            call.events.put_nowait(("field", pe.key, pe.value))
+                        else:
+                            call.events.put_nowait(("line", pe.line))
                     elif isinstance(pe, ToolCallEnd):
                         call = _current(calls, pe.index, round_calls)
                         if call is None:
@@ -211,9 +217,9 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                         call.arguments = pe.arguments
                         if not call.server and not plan.parallel_tool_calls:
                             stop_now = True  # one client call asked for: stop decoding here
-                        if call.runtime_call is not None and not call.error:
+                        if call.server and not call.error:
                             if plan.partial_execution:
-                                call.task = asyncio.ensure_future(_execute(call, calls))
+                                call.events.put_nowait(("finish",))
                             else:  # baseline: tools start only once decoding of the round is over
                                 deferred.append(call)
                     elif isinstance(pe, ParserError):
@@ -223,6 +229,8 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                             call = _current(calls, pe.index, round_calls)
                             if call is not None:
                                 call.error = call.error or f"malformed tool call: {pe.message}"
+                                if call.events is not None:
+                                    call.events.put_nowait(("abandon",))
                 if stop_now and ev.finish_reason is None:
                     finish_reason = "tool_calls"
                     break
@@ -234,7 +242,8 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                         pass  # it paused or finished by itself meanwhile
                 if ev.paused or ev.finish_reason is not None:
                     for call in deferred:
-                        call.task = asyncio.ensure_future(_execute(call, calls))
+                        _start(call, runtime, plan, calls)
+                        call.events.put_nowait(("finish",))
                     deferred = []
                     round_calls = [c for c in round_calls if not c.ignored]
                 if ev.paused:
@@ -274,10 +283,43 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
         # awaits: a cancelled request's cleanup must not be cancelled too.
         for call in calls:
             if call.task is not None and not call.task.done():
-                call.task.cancel()
-            elif call.runtime_call is not None and call.task is None:
-                asyncio.ensure_future(_quiet(call.runtime_call.cancel()))
+                if call.finishing:
+                    call.task.cancel()  # a running tool: the runtime kills and replaces its worker
+                else:
+                    call.events.put_nowait(("abandon",))  # the driver cancels the call and returns
         engine.free_context_nowait(ctx)
+
+
+def _start(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_Call]) -> None:
+    call.events = asyncio.Queue()
+    call.task = asyncio.ensure_future(_drive(call, runtime, plan, calls))
+
+
+async def _drive(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_Call]) -> Any:
+    """One server-side call: get a worker, pass on the parser's events in
+    order, finish.  It runs beside the token loop, so waiting for a free
+    worker or a slow tool never holds up decoding or streaming."""
+    rc = None
+    try:
+        rc = await runtime.begin(call.name, call.id, partial=plan.partial_execution, request=plan.request_info)
+        call.runtime_call = rc
+        while True:
+            item = await call.events.get()
+            if item[0] == "field":
+                await rc.field(item[1], item[2])
+            elif item[0] == "line":
+                await rc.line(item[1])
+            elif item[0] == "finish":
+                call.finishing = True
+                return await _execute(call, calls)
+            else:  # abandon
+                await rc.cancel()
+                return None
+    except ToolError as e:  # e.g. a veto, or a failure surfaced by field/line
+        call.error = call.error or str(e)
+        if rc is not None:
+            await _quiet(rc.cancel())
+        return None
 
 
 async def _execute(call: _Call, calls: List[_Call]) -> Any:
@@ -290,12 +332,12 @@ async def _execute(call: _Call, calls: List[_Call]) -> Any:
         values = {}
         for n in args["depends_on"]:
             dep = by_step.get(n)
-            if dep is None or dep.task is None:
-                raise_missing = f"step ${n} is not available"
-                return _failed_result(call, raise_missing)
-            res = await asyncio.shield(dep.task)
+            res = await asyncio.shield(dep.task) if dep is not None and dep.task is not None else None
+            if res is None:
+                call.error = f"step ${n} has no result"
+                return None
             values[n] = _reference_value(res)
-        args = _plan_arguments(call.runtime_call.tool, args, values)
+        args = _plan_arguments(call.tool, args, values)
     return await call.runtime_call.finish(args)
 
 
@@ -333,14 +375,6 @@ def _plan_arguments(tool: Any, step: Dict[str, Any], values: Dict[int, str]) -> 
     return out
 
 
-def _failed_result(call: _Call, message: str) -> Any:
-    from types import SimpleNamespace
-
-    now = time.time()
-    return SimpleNamespace(ok=False, content=None, error=message, error_type="ToolError", started_at=call.started_at,
-                           finished_at=now, partial=False)
-
-
 def _current(calls: List[_Call], parser_index: Optional[int], round_calls: List[_Call]) -> Optional[_Call]:
     """Map a parser's per-stream call index to our call (the parser restarts each round)."""
     if parser_index is None or parser_index >= len(round_calls):
@@ -349,20 +383,24 @@ def _current(calls: List[_Call], parser_index: Optional[int], round_calls: List[
 
 
 async def _result(call: _Call, metrics: Any) -> ServerToolResult:
-    started = call.started_at
-    if call.error or call.task is None:
-        if call.runtime_call is not None and call.task is None:
-            await _quiet(call.runtime_call.cancel())
-        res = ServerToolResult(call.index, call.id, call.name, call.arguments, False, None,
-                               call.error or "the tool call was not completed", started, time.time(),
-                               bool(getattr(call.runtime_call, "partial", False)), call.aborted_early)
-    else:
+    r = None
+    if call.task is not None:
+        if call.error and not call.task.done():
+            call.events.put_nowait(("abandon",))
         r = await call.task
+    now = time.time()
+    if r is None:
+        res = ServerToolResult(call.index, call.id, call.name, call.arguments, False, None,
+                               call.error or "the tool call was not completed", call.started_at, None, None, now,
+                               bool(call.runtime_call is not None and call.runtime_call.partial), call.aborted_early)
+    else:
+        # the tool began work at the call's start with partial execution, at the arguments' end without
+        began = r.started_at if r.partial else r.finish_called_at
         res = ServerToolResult(call.index, call.id, call.name, call.arguments, r.ok, r.content,
-                               None if r.ok else f"{r.error_type}: {r.error}", r.started_at, r.finished_at,
-                               r.partial)
+                               None if r.ok else f"{r.error_type}: {r.error}", call.started_at, began,
+                               r.finish_called_at, r.finished_at, r.partial)
     if metrics is not None:
-        metrics.tool_call(res.name, res.ok, res.finished_at - res.started_at)
+        metrics.tool_call(res.name, res.ok, res.finished_at - (res.tool_started_at or res.started_at))
     return res
 
 

@@ -58,6 +58,22 @@ def _interlace_version() -> str:
         return "0+unknown"
 
 
+#: Settings every tool takes, applied by the host after ``Tool.configure``.
+COMMON_SETTINGS = {"workers": int, "timeout_s": float, "nice": int}
+
+
+def _apply_common_settings(tool: Tool, settings: Mapping[str, Any]) -> None:
+    """``workers`` (pool size), ``timeout_s`` and ``nice`` (worker CPU priority:
+    on a CPU-only host a positive value keeps CPU-heavy tools from slowing
+    decoding) work for every tool, whatever its own ``configure`` reads."""
+    for key, kind in COMMON_SETTINGS.items():
+        if key in settings:
+            try:
+                setattr(tool, key, kind(settings[key]))
+            except (TypeError, ValueError) as exc:
+                raise PluginLoadError(f"tool {tool.name!r}: setting {key!r} must be {kind.__name__}: {exc}") from exc
+
+
 class PluginHost:
     """The gateway's plugin manager and the single place hooks are called from."""
 
@@ -143,7 +159,9 @@ class PluginHost:
                         raise DuplicateRegistration(
                             f"tool {tool.name!r} is registered by both {self._tool_owner[tool.name]!r} and {owner!r}"
                         )
-                    tool.configure(self.tool_settings.get(tool.name, {}))
+                    settings = dict(self.tool_settings.get(tool.name, {}))
+                    tool.configure(settings)
+                    _apply_common_settings(tool, settings)
                     try:
                         tool.check()
                     except Exception as exc:

@@ -151,6 +151,8 @@ def _worker_main(conn: Any, tool: Tool, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the gateway's to handle
     try:
+        if tool.nice > 0:
+            os.nice(tool.nice)
         info = dict(tool.worker_init() or {})
     except BaseException:
         conn.send(("init_error", traceback.format_exc()))

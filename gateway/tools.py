@@ -158,6 +158,7 @@ class Tool:
     line_field: str | None = None
     #: Worker processes kept warm for this tool (calls beyond this queue).
     workers: int = 1
+    nice: int = 0  # added to the worker processes' nice value (lower CPU priority)
     #: ``False`` hides the tool (e.g. a database tool with no database configured).
     enabled: bool = True
 

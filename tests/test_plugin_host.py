@@ -209,3 +209,38 @@ def test_example_plugin_discovered_through_entry_point(example_plugin_installed:
 
 def test_entry_points_can_be_skipped(example_plugin_installed: None) -> None:
     assert "word_count" not in PluginHost(entrypoints=False).tools()
+
+
+def test_common_tool_settings_apply_to_every_tool() -> None:
+    import asyncio
+
+    import psutil
+
+    host = PluginHost({"calculator": {"workers": 2, "timeout_s": 3, "nice": 5}}, builtins=(), entrypoints=False,
+                      plugins=[_OnlyCalculator()])
+    calc = host.tools()["calculator"]
+    assert (calc.workers, calc.timeout_s, calc.nice) == (2, 3.0, 5)
+
+    async def main():
+        runtime = host.create_runtime()
+        await runtime.start()
+        try:
+            pids = runtime.worker_pids()
+            return [psutil.Process(p).nice() for p in pids]
+        finally:
+            await runtime.close()
+
+    nices = asyncio.run(main())
+    assert len(nices) == 2 and all(n >= 5 for n in nices)
+    with pytest.raises(PluginLoadError):
+        PluginHost({"calculator": {"workers": "many"}}).tools()
+
+
+class _OnlyCalculator:
+    """A plugin registering just the built-in calculator (so the runtime starts one pool)."""
+
+    @hookimpl
+    def register_tools(self, register):
+        from interlace.plugins.calculator import CalculatorTool
+
+        register(CalculatorTool())
