@@ -1,9 +1,9 @@
 """Engine throughput: prefill and decode tokens/s at several batch sizes, the
 native engine side by side with Hugging Face transformers ``generate`` on the
 same prompts and the same weights (the embedded SmolLM2-135M-Instruct unless
-``--model`` says otherwise).
+``--model`` says otherwise), each in float32 and bfloat16.
 
-    interlace bench engine [--batches 1 8 32] [--prompt-len 128] [--new 64]
+    interlace bench engine [--batches 1 8 32] [--prompt-len 128] [--new 64] [--repeat 3]
 
 Method.  All prompts have the same length (slices of one text), so
 transformers needs no padding.  Prefill tokens/s = batch * prompt_len /
@@ -11,8 +11,12 @@ transformers needs no padding.  Prefill tokens/s = batch * prompt_len /
 for transformers, ``generate(max_new_tokens=1)``.  Decode tokens/s = batch *
 (new - 1) / decode time: for the engine, the ``generate`` streams after the
 fill (its first token comes from the fill's logits and is not counted); for
-transformers, ``generate(new)`` minus ``generate(1)``.  Greedy, EOS ignored,
-best of ``--repeat`` runs.
+transformers, ``generate(new)`` minus ``generate(1)``.  Greedy, EOS ignored.
+
+Each variant (engine x dtype) is measured in a fresh subprocess (so no
+variant inherits another's threads, caches or allocator state), the variants
+take turns within each of ``--repeat`` rounds (so a noisy neighbour on a
+shared machine hits them alike), and the best round per cell is reported.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
-
-import torch
 
 TEXT = ("The history of computing is a story of abstractions layered on abstractions. Early machines were "
         "programmed by rewiring; stored programs made software possible; compilers let people think in "
@@ -66,6 +71,8 @@ def bench_native(engine, batch: List[List[int]], new: int) -> Dict[str, float]:
 
 
 def bench_hf(model, batch: List[List[int]], new: int) -> Dict[str, float]:
+    import torch
+
     ids = torch.tensor(batch)
     mask = torch.ones_like(ids)
     kw = dict(do_sample=False, attention_mask=mask, pad_token_id=0)
@@ -81,6 +88,8 @@ def bench_hf(model, batch: List[List[int]], new: int) -> Dict[str, float]:
 
 
 def machine() -> str:
+    import torch
+
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -89,7 +98,35 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    if torch.cuda.is_available():
+        cpu += f" + {torch.cuda.get_device_name()}"
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def measure(variant: str, model: Optional[str], batches: List[int], prompt_len: int, new: int) -> Dict[int, dict]:
+    """One variant ("interlace float32", "transformers bfloat16", ...), all
+    batch sizes, in this process."""
+    import torch
+
+    from interlace.engine_ext.embedded import embedded_model_dir
+    from interlace.engine_ext.native.engine import NativeEngine
+    from interlace.engine_ext.native.loader import resolve_model_dir
+    from interlace.engine_ext.native.tokenizer import Tokenizer
+    from interlace.engine_ext.native.loader import load_config
+
+    engine, dtype = variant.split()
+    model_dir = resolve_model_dir(model) if model else embedded_model_dir()
+    tok = Tokenizer(model_dir, load_config(model_dir)[0])
+    if engine == "interlace":
+        need = max(batches) * (prompt_len + new) + 1024
+        with NativeEngine.load(model_dir, dtype=dtype, kv_cache_tokens=need) as eng:
+            bench_native(eng, prompts(tok, 2, 16), 4)  # warm-up
+            return {b: bench_native(eng, prompts(tok, b, prompt_len), new) for b in batches}
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    bench_hf(hf, prompts(tok, 2, 16), 4)
+    return {b: bench_hf(hf, prompts(tok, b, prompt_len), new) for b in batches}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -98,50 +135,62 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="engine dtypes to run")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; each cell reports its best round")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--plot", help="save a PNG plot of decode tokens/s here")
+    ap.add_argument("--json", help="also write every round as JSON here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one variant, print JSON
     args = ap.parse_args(argv)
 
-    from interlace.engine_ext.embedded import embedded_model_dir
-    from interlace.engine_ext.native.engine import NativeEngine
-    from interlace.engine_ext.native.loader import resolve_model_dir
+    if args.worker:
+        res = measure(args.worker, args.model, args.batches, args.prompt_len, args.new)
+        print("RESULT " + json.dumps({"result": res, "machine": machine()}))
+        return 0
 
-    model_dir = resolve_model_dir(args.model) if args.model else embedded_model_dir()
-    rows: Dict[str, Dict[int, Dict[str, float]]] = {}
-    tok = None
-    for dtype in args.dtypes:
-        need = max(args.batches) * (args.prompt_len + args.new) + 1024
-        with NativeEngine.load(model_dir, dtype=dtype, kv_cache_tokens=need) as eng:
-            tok = eng.tokenizer
-            bench_native(eng, prompts(tok, 2, 16), 4)  # warm-up
-            rows[f"interlace {dtype}"] = {
-                b: _best([bench_native(eng, prompts(tok, b, args.prompt_len), args.new) for _ in range(args.repeat)])
-                for b in args.batches}
-    if not args.no_hf:
-        from transformers import AutoModelForCausalLM
+    variants = [f"interlace {d}" for d in args.dtypes] + ([] if args.no_hf else [f"transformers {d}"
+                                                                                  for d in args.dtypes])
+    rounds: Dict[str, List[Dict[int, dict]]] = {v: [] for v in variants}
+    mach = ""
+    for r in range(args.repeat):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            cmd = [sys.executable, "-m", "interlace.bench.engine", "--worker", v, "--batches",
+                   *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new", str(args.new)]
+            if args.model:
+                cmd += ["--model", args.model]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if out.returncode != 0 or line is None:
+                print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+                raise SystemExit(f"variant {v!r} failed (exit {out.returncode})")
+            got = json.loads(line[len("RESULT "):])
+            mach = got["machine"]
+            rounds[v].append({int(b): x for b, x in got["result"].items()})
+            print(f"round {r + 1}/{args.repeat} {v}: " + ", ".join(
+                f"b={b} decode {x['decode']:.0f} tok/s" for b, x in rounds[v][-1].items()), file=sys.stderr)
+    rows = {v: {b: {k: max(rd[b][k] for rd in rounds[v]) for k in ("prefill", "decode")} for b in args.batches}
+            for v in variants}
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        bench_hf(hf, prompts(tok, 2, 16), 4)
-        rows["transformers float32"] = {
-            b: _best([bench_hf(hf, prompts(tok, b, args.prompt_len), args.new) for _ in range(args.repeat)])
-            for b in args.batches}
-
-    print(f"\n{model_dir.name} | prompt {args.prompt_len} tokens, {args.new} new | {machine()} | "
-          f"{datetime.date.today()}\n")
-    head = "| engine | " + " | ".join(f"prefill b={b} | decode b={b}" for b in args.batches) + " |"
-    print(head)
+    name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (embedded)"
+    print(f"\n{name} | prompt {args.prompt_len} tokens, {args.new} new | {mach} | {datetime.date.today()} | "
+          f"best of {args.repeat}\n")
+    print("| engine | " + " | ".join(f"prefill b={b} | decode b={b}" for b in args.batches) + " |")
     print("|" + "---|" * (1 + 2 * len(args.batches)))
-    for name, r in rows.items():
-        print(f"| {name} | " + " | ".join(f"{r[b]['prefill']:.0f} | {r[b]['decode']:.0f}" for b in args.batches) + " |")
-    base = rows.get("transformers float32")
-    if base:
-        print("\ndecode speed-up over transformers float32 (tokens/s ratio):")
-        for name, r in rows.items():
-            if name != "transformers float32":
-                print(f"  {name}: " + ", ".join(f"b={b}: {r[b]['decode'] / base[b]['decode']:.2f}x"
-                                                 for b in args.batches))
+    for v, r in rows.items():
+        print(f"| {v} | " + " | ".join(f"{r[b]['prefill']:.0f} | {r[b]['decode']:.0f}" for b in args.batches) + " |")
+    hf = {v: r for v, r in rows.items() if v.startswith("transformers")}
+    if hf:
+        best_hf = {b: max(r[b]["decode"] for r in hf.values()) for b in args.batches}
+        print("\ndecode speed-up (tokens/s ratio) over transformers in the same dtype, and over the faster "
+              "transformers dtype:")
+        for v, r in rows.items():
+            if v.startswith("interlace"):
+                same = hf.get("transformers " + v.split()[1])
+                print(f"  {v}: " + ", ".join(
+                    f"b={b}: {r[b]['decode'] / same[b]['decode']:.2f}x / {r[b]['decode'] / best_hf[b]:.2f}x"
+                    if same else f"b={b}: {r[b]['decode'] / best_hf[b]:.2f}x" for b in args.batches))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": mach, "rounds": rounds, "best": rows}, indent=1))
     if args.plot:
         import matplotlib
 
@@ -149,22 +198,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for name, r in rows.items():
-            ax.plot(args.batches, [r[b]["decode"] for b in args.batches], marker="o", label=name)
+        for v, r in rows.items():
+            ax.plot(args.batches, [r[b]["decode"] for b in args.batches], marker="o",
+                    linestyle="-" if v.startswith("interlace") else "--", label=v)
         ax.set_xlabel("batch size")
         ax.set_ylabel("decode tokens/s")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{model_dir.name}: decode throughput")
+        ax.set_xticks(args.batches, [str(b) for b in args.batches])
+        ax.set_title(f"{name}: decode throughput (best of {args.repeat})")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print(f"plot saved to {args.plot}")
     return 0
-
-
-def _best(runs: List[Dict[str, float]]) -> Dict[str, float]:
-    return {k: max(r[k] for r in runs) for k in runs[0]}
 
 
 if __name__ == "__main__":

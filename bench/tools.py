@@ -245,14 +245,15 @@ def workloads(quick: bool = False) -> List[Workload]:
     ]
 
 
-def gateway_config(corpus: Path, db: Path, delay_s: float, tool_nice: int = 0) -> Dict[str, Any]:
+def gateway_config(corpus: Path, db: Path, delay_s: float, tool_nice: int = 0,
+                   dtype: str = "float32") -> Dict[str, Any]:
     """Tool workers get ``nice`` (a common tool setting): on a CPU-only host,
     decoding first, tools on the CPU it leaves."""
     common = {"nice": tool_nice} if tool_nice else {}
     return {
-        "models": {"smollm2": {"path": "embedded"},
-                   "smollm2-code": {"path": "embedded", "parser": "markdown"},
-                   "smollm2-plan": {"path": "embedded", "parser": "plan"}},
+        "models": {"smollm2": {"path": "embedded", "dtype": dtype},
+                   "smollm2-code": {"path": "embedded", "parser": "markdown", "dtype": dtype},
+                   "smollm2-plan": {"path": "embedded", "parser": "plan", "dtype": dtype}},
         "plugins": {"entrypoints": False, "modules": [__name__ if __name__ != "__main__" else "interlace.bench.tools"]},
         "tools": {"search": {"corpus": str(corpus), "delay_s": delay_s, **common},
                   "sqlite": {"database": str(db), **common},
@@ -440,7 +441,8 @@ async def bench(args: argparse.Namespace) -> Dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="interlace-bench-tools-"))
     try:
         fx = write_fixtures(tmp)
-        cfg = parse_config(gateway_config(fx["corpus"], fx["db"], args.delay_s, args.tool_nice), "<bench tools>")
+        cfg = parse_config(gateway_config(fx["corpus"], fx["db"], args.delay_s, args.tool_nice, args.dtype),
+                           "<bench tools>")
         app = create_app(cfg)
         gw = app.state.gateway
         out: Dict[str, Any] = {"workloads": [], "runs": []}
@@ -587,6 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads for the engine (0: torch's default); 1 leaves the other cores to the tools")
     p.add_argument("--tool-nice", type=int, default=10,
                    help="nice value for the tool worker processes (0: leave them at the gateway's priority)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="engine dtype (the recorded results use float32)")
     p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
     p.add_argument("--plot", default="docs/bench_tools.png", help="where to save the plot ('' for none)")
     p.add_argument("--json", help="also write the results (and every run) as JSON here")

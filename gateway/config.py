@@ -3,7 +3,7 @@
 Validation uses a JSON Schema (jsonschema) so every mistake is reported with
 the file, the key path and what was expected, e.g.::
 
-    configs/prod.yaml: models.smollm2.dtype: 'fp64' is not one of ['float32', 'bfloat16', 'float16']
+    configs/prod.yaml: models.smollm2.dtype: 'fp64' is not one of ['auto', 'float32', 'bfloat16', 'float16']
 
 A string of the form ``os.environ/NAME`` anywhere in the file is replaced by
 that environment variable (so API keys stay out of the file); a missing
@@ -32,7 +32,7 @@ MODEL_SCHEMA = {
         "path": {"type": "string", "minLength": 1,
                  "description": "'embedded', a Hugging Face model directory or a .gguf file"},
         "parser": {"type": "string", "minLength": 1, "description": "tool-call parser name (default hermes)"},
-        "dtype": {"enum": ["float32", "bfloat16", "float16"]},
+        "dtype": {"enum": ["auto", "float32", "bfloat16", "float16"]},
         "device": {"type": "string"},
         "block_size": {"type": "integer", "minimum": 1, "maximum": 256},
         "kv_cache_tokens": {"type": "integer", "minimum": 16},
@@ -81,7 +81,7 @@ DEFAULTS = {
     "plugins": {"entrypoints": True, "modules": []},
     "tools": {},
 }
-MODEL_DEFAULTS = {"engine": "native", "parser": "hermes", "dtype": "float32", "block_size": 16,
+MODEL_DEFAULTS = {"engine": "native", "parser": "hermes", "dtype": "auto", "block_size": 16,
                   "kv_cache_tokens": 16384, "max_batched_tokens": 512, "max_seqs": 256}
 
 

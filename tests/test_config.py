@@ -17,7 +17,7 @@ def write(tmp_path, text):
 def test_default_config_is_valid():
     cfg = load_config("configs/default.yaml")
     assert cfg.port == 8000 and cfg.models["smollm2"].parser == "hermes"
-    assert cfg.models["smollm2"].engine_args["dtype"] == "float32"
+    assert cfg.models["smollm2"].engine_args["dtype"] == "auto"
 
 
 @pytest.mark.parametrize("text,needle", [

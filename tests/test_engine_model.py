@@ -1,6 +1,8 @@
 """Our Llama-family decoder against transformers' reference, through the
 engine's paged cache: prefill, token-by-token decode, forks and prefix reuse."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -102,3 +104,32 @@ def _greedy(n):
     from interlace.engine_ext.protocol import SamplingParams
 
     return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_decode_tracks_float32_reference(kind, tiny_dirs):
+    """bfloat16 runs its own decode attention (two batched matmuls over the
+    gathered blocks, float32 softmax): token by token, and for contexts of
+    different lengths decoded in one batch, its logits stay within bfloat16
+    rounding of the float32 reference."""
+    d, hf = tiny_dirs[kind]
+    ref = ref_logits(hf, TOKENS)
+    scale = ref.abs().max()
+    with NativeEngine.load(d, dtype="bfloat16", block_size=4, kv_cache_tokens=512) as eng:
+        async def go():
+            out = []
+            for t in TOKENS:
+                await eng.fill("d", [t])
+                out.append(await eng.last_logits("d"))
+            # three contexts of different lengths, one decode step together
+            await asyncio.gather(*(eng.fill(f"b{n}", TOKENS[:n]) for n in (5, 11, 17)))
+            batched = await asyncio.gather(*(eng.fill(f"b{n}", [TOKENS[n]]) for n in (5, 11, 17)))
+            assert batched == [6, 12, 18]
+            return torch.stack(out), [await eng.last_logits(f"b{n}") for n in (5, 11, 17)]
+
+        seq, batched = run(go())
+    assert seq.dtype == torch.float32
+    torch.testing.assert_close(seq, ref, atol=0.03 * scale, rtol=0.05)
+    for n, lg in zip((5, 11, 17), batched):
+        torch.testing.assert_close(lg, ref[n], atol=0.03 * scale, rtol=0.05)
+        assert lg.argmax() == ref[n].argmax() or ref[n].topk(2).values.diff().abs() < 0.03 * scale

@@ -36,9 +36,11 @@ def live(tmp_path_factory):
     con.executemany("insert into items values (?, ?)", [("apple", 0.5), ("pear", 0.75)])
     con.commit()
     con.close()
+    # float32 pinned: the default ("auto") is bfloat16 on CPUs that have it, and the
+    # greedy outputs these tests read must not depend on the CI machine's CPU.
+    m = {"path": "embedded", "kv_cache_tokens": 8192, "dtype": "float32"}
     cfg = {"server": {"api_keys": [KEY]},
-           "models": {"smollm2": {"path": "embedded", "kv_cache_tokens": 8192},
-                      "smollm2-code": {"path": "embedded", "kv_cache_tokens": 8192, "parser": "markdown"}},
+           "models": {"smollm2": m, "smollm2-code": {**m, "parser": "markdown"}},
            "tools": {"sqlite": {"database": str(db)}}}
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
     with LiveGateway(cfg) as gw:

@@ -18,8 +18,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        # [layers, k/v, blocks, block_size, kv_heads, head_dim]
-        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+        # [layers, k/v, kv_heads, blocks, block_size, head_dim]: head-major, so a
+        # gathered block table is one contiguous [tokens, head_dim] matrix per head
+        self.kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim,
                               dtype=kv_dtype, device=device)
 
     @staticmethod
@@ -31,7 +32,7 @@ class ModelRunner:
         """Returns logits [R, V] and, for each row, the index of its chunk in
         ``batch.chunks`` (only chunks that reach their context's end)."""
         for src, dst in batch.copies:  # copy-on-write before anything writes
-            self.kv[:, :, dst].copy_(self.kv[:, :, src])
+            self.kv[:, :, :, dst].copy_(self.kv[:, :, :, src])
         ids: List[int] = []
         pos: List[int] = []
         slot_mapping: List[int] = []
@@ -72,7 +73,7 @@ class ModelRunner:
             lens_t = torch.tensor(lens, device=dev)
             meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
             meta.decode_blocks = bt
-            meta.decode_mask = (torch.arange(nb * bs, device=dev)[None, :] < lens_t[:, None])[:, None, None, :]
+            meta.decode_masked = (torch.arange(nb * bs, device=dev)[None, :] >= lens_t[:, None])[None, :, None, :]
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta,
                             torch.tensor(logit_rows, dtype=torch.long, device=dev))

@@ -84,14 +84,14 @@ class AttentionMetadata:
     ``slot_mapping[t]`` is the cache slot (block * block_size + offset) the
     t-th new token's K/V is written to.  Prefill chunks (``prefills``) are
     attended one by one; single-token decodes are gathered into one padded
-    batch (``decode_rows`` / ``decode_blocks`` / ``decode_mask``).
+    batch (``decode_rows`` / ``decode_blocks`` / ``decode_masked``).
     """
 
     slot_mapping: torch.Tensor                    # [T] long
     prefills: List["PrefillSpan"]
     decode_rows: Optional[torch.Tensor] = None    # [B] long: rows of the flat batch
     decode_blocks: Optional[torch.Tensor] = None  # [B, nb] long: block tables, padded
-    decode_mask: Optional[torch.Tensor] = None    # [B, 1, 1, nb * block_size] bool: key is valid
+    decode_masked: Optional[torch.Tensor] = None  # [1, B, 1, nb * block_size] bool: key is beyond the context
 
 
 @dataclass
@@ -160,17 +160,16 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k_blocks, v_blocks = kv[0], kv[1]  # [num_blocks, block_size, Hkv, D]
-        k_blocks.view(-1, self.hkv, self.d).index_copy_(0, meta.slot_mapping, k.to(k_blocks.dtype))
-        v_blocks.view(-1, self.hkv, self.d).index_copy_(0, meta.slot_mapping, v.to(v_blocks.dtype))
+        k_blocks, v_blocks = kv[0], kv[1]  # [Hkv, num_blocks, block_size, D]
+        k_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_blocks.dtype))
+        v_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_blocks.dtype))
 
         out = torch.empty_like(q)
         for p in meta.prefills:
             L = p.start_pos + p.num_new
-            qs = q[p.row_start:p.row_start + p.num_new].transpose(0, 1)                      # [H, n, D]
-            ks = k_blocks.index_select(0, p.blocks).view(-1, self.hkv, self.d)[:L].transpose(0, 1)  # [Hkv, L, D]
-            vs = v_blocks.index_select(0, p.blocks).view(-1, self.hkv, self.d)[:L].transpose(0, 1)
-            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+            qs = q[p.row_start:p.row_start + p.num_new].transpose(0, 1)                          # [H, n, D]
+            ks = k_blocks.index_select(1, p.blocks).view(self.hkv, -1, self.d)[:, :L].to(q.dtype)  # [Hkv, L, D]
+            vs = v_blocks.index_select(1, p.blocks).view(self.hkv, -1, self.d)[:, :L].to(q.dtype)
             if p.start_pos == 0:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
@@ -179,15 +178,31 @@ class Attention(nn.Module):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[p.row_start:p.row_start + p.num_new] = o.transpose(0, 1)
         if meta.decode_rows is not None:
-            B, nb = meta.decode_blocks.shape
-            flat = meta.decode_blocks.flatten()
-            qd = q[meta.decode_rows].unsqueeze(2)                                            # [B, H, 1, D]
-            kd = k_blocks.index_select(0, flat).view(B, -1, self.hkv, self.d).transpose(1, 2).to(q.dtype)
-            vd = v_blocks.index_select(0, flat).view(B, -1, self.hkv, self.d).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale,
-                                               enable_gqa=True)
-            out[meta.decode_rows] = o.squeeze(2)
+            out[meta.decode_rows] = self._decode_attention(q[meta.decode_rows], k_blocks, v_blocks, meta)
         return self.o(out.reshape(T, self.h * self.d))
+
+    def _decode_attention(self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        """One query row per context against its blocks; q [B, H, D].
+
+        The cache is laid out head-major, so gathering the batch's block
+        tables yields one contiguous [L, D] matrix per (KV head, context):
+        two batched matmuls read the keys and values in place, with the
+        query heads of a GQA group as the rows.  (PyTorch's CPU SDPA kernel
+        would first copy keys and values into [B, H, L, D], and in bfloat16
+        runs several times slower than this at one query row.)  The softmax
+        runs in float32 whatever the dtype.
+        """
+        B, nb = meta.decode_blocks.shape
+        flat = meta.decode_blocks.flatten()
+        hkv, g, d = self.hkv, self.h // self.hkv, self.d
+        kd = k_blocks.index_select(1, flat).view(hkv * B, -1, d).to(q.dtype)   # [Hkv*B, L, D]
+        vd = v_blocks.index_select(1, flat).view(hkv * B, -1, d).to(q.dtype)
+        qg = q.view(B, hkv, g, d).transpose(0, 1).reshape(hkv * B, g, d)
+        s = torch.bmm(qg, kd.transpose(1, 2)).float().mul_(self.scale).view(hkv, B, g, -1)
+        s.masked_fill_(meta.decode_masked, float("-inf"))
+        p = torch.softmax(s, dim=-1).to(q.dtype).view(hkv * B, g, -1)
+        return torch.bmm(p, vd).view(hkv, B, g, d).transpose(0, 1).reshape(B, self.h, d)
 
 
 class MLP(nn.Module):
