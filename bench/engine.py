@@ -5,8 +5,9 @@ same prompts and the same weights (the embedded SmolLM2-135M-Instruct unless
 
     interlace bench engine [--batches 1 8 32] [--prompt-len 128] [--new 64] [--repeat 3]
 
-Method.  All prompts have the same length (slices of one text), so
-transformers needs no padding.  Prefill tokens/s = batch * prompt_len /
+Method.  All prompts have the same length, so transformers needs no padding;
+they are random token ids, so no two share a prefix (nothing is served from
+the engine's prefix cache).  Prefill tokens/s = batch * prompt_len /
 (time to compute the prompts' KV): for the engine, concurrent ``fill`` calls;
 for transformers, ``generate(max_new_tokens=1)``.  Decode tokens/s = batch *
 (new - 1) / decode time: for the engine, the ``generate`` streams after the
@@ -26,21 +27,21 @@ import asyncio
 import datetime
 import json
 import platform
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-TEXT = ("The history of computing is a story of abstractions layered on abstractions. Early machines were "
-        "programmed by rewiring; stored programs made software possible; compilers let people think in "
-        "expressions instead of registers; operating systems hid devices behind files. Each layer traded a "
-        "little efficiency for a great deal of leverage, and each was at first dismissed as too slow. ") * 20
-
-
-def prompts(tok, n: int, length: int) -> List[List[int]]:
-    ids = tok.encode(TEXT)
-    return [ids[i * 7:i * 7 + length] for i in range(n)]
+def prompts(vocab_size: int, n: int, length: int, seed: int) -> List[List[int]]:
+    """``n`` prompts of random token ids (clear of the special tokens at both
+    ends of the vocabulary).  Random, so that no two prompts -- and no two
+    batch sizes or rounds -- share a prefix: the engine's prefix cache must
+    not turn a prefill measurement into a cache hit."""
+    rng = random.Random(seed)
+    lo, hi = min(1000, vocab_size // 4), vocab_size - 100
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
 
 
 def bench_native(engine, batch: List[List[int]], new: int) -> Dict[str, float]:
@@ -110,23 +111,22 @@ def measure(variant: str, model: Optional[str], batches: List[int], prompt_len: 
 
     from interlace.engine_ext.embedded import embedded_model_dir
     from interlace.engine_ext.native.engine import NativeEngine
-    from interlace.engine_ext.native.loader import resolve_model_dir
-    from interlace.engine_ext.native.tokenizer import Tokenizer
-    from interlace.engine_ext.native.loader import load_config
+    from interlace.engine_ext.native.loader import load_config, resolve_model_dir
 
     engine, dtype = variant.split()
     model_dir = resolve_model_dir(model) if model else embedded_model_dir()
-    tok = Tokenizer(model_dir, load_config(model_dir)[0])
+    vocab = load_config(model_dir)[1].vocab_size
+    seeds = {b: 1000 * b + 7 for b in batches}
     if engine == "interlace":
         need = max(batches) * (prompt_len + new) + 1024
         with NativeEngine.load(model_dir, dtype=dtype, kv_cache_tokens=need) as eng:
-            bench_native(eng, prompts(tok, 2, 16), 4)  # warm-up
-            return {b: bench_native(eng, prompts(tok, b, prompt_len), new) for b in batches}
+            bench_native(eng, prompts(vocab, 2, prompt_len, seed=1), 4)  # warm-up: kernels for these shapes
+            return {b: bench_native(eng, prompts(vocab, b, prompt_len, seeds[b]), new) for b in batches}
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    bench_hf(hf, prompts(tok, 2, 16), 4)
-    return {b: bench_hf(hf, prompts(tok, b, prompt_len), new) for b in batches}
+    bench_hf(hf, prompts(vocab, 2, prompt_len, seed=1), 4)
+    return {b: bench_hf(hf, prompts(vocab, b, prompt_len, seeds[b]), new) for b in batches}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
