@@ -192,26 +192,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": mach, "rounds": rounds, "best": rows}, indent=1))
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for v, r in rows.items():
-            ax.plot(args.batches, [r[b]["decode"] for b in args.batches], marker="o",
-                    linestyle="-" if v.startswith("interlace") else "--", label=v)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(args.batches, [str(b) for b in args.batches])
-        ax.set_title(f"{name}: decode throughput (best of {args.repeat})")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        plot(rows, args.batches, f"{name}: decode, best of {args.repeat}", args.plot)
         print(f"plot saved to {args.plot}")
     return 0
+
+
+def plot(rows: Dict[str, Dict[int, dict]], batches: List[int], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for v, r in rows.items():
+        ax.plot(batches, [r[b]["decode"] for b in batches], marker="o",
+                linestyle="-" if v.startswith("interlace") else "--", label=v)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
