@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -190,7 +191,10 @@ def test_python_isolation_reported_and_network_blocked(rt: Harness) -> None:
     code = "import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('93.184.216.34', 80))"
     result = rt.run("python", {"code": code})
     if iso["network_namespace"] is None:
-        pytest.skip("kernel refused a private network namespace here")
+        # This kernel refuses a private network namespace: then the worker must
+        # not claim isolation -- it reports the host's own interfaces.
+        assert iso["network_interfaces"] == [name for _, name in socket.if_nameindex()]
+        return
     assert iso["network_interfaces"] == ["lo"]
     error = result.content["error"] or ""
     assert "OSError" in error or "unreachable" in error
