@@ -26,13 +26,14 @@ import argparse
 import asyncio
 import datetime
 import json
-import platform
 import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from interlace.bench import cpu_model
 
 def prompts(vocab_size: int, n: int, length: int, seed: int) -> List[List[int]]:
     """``n`` prompts of random token ids (clear of the special tokens at both
@@ -91,14 +92,7 @@ def bench_hf(model, batch: List[List[int]], new: int) -> Dict[str, float]:
 def machine() -> str:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     if torch.cuda.is_available():
         cpu += f" + {torch.cuda.get_device_name()}"
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from interlace.bench import cpu_model
 from interlace.gateway.hookspecs import hookimpl
 from interlace.gateway.tools import Granularity, Tool
 
@@ -487,15 +488,7 @@ def _run_dict(r: Run) -> Dict[str, Any]:
 
 
 def machine() -> Dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
             "date": datetime.date.today().isoformat()}
 
 

@@ -193,7 +193,7 @@ class Attention(nn.Module):
         runs several times slower than this at one query row.)  The softmax
         runs in float32 whatever the dtype.
         """
-        B, nb = meta.decode_blocks.shape
+        B = meta.decode_blocks.shape[0]
         flat = meta.decode_blocks.flatten()
         hkv, g, d = self.hkv, self.h // self.hkv, self.d
         kd = k_blocks.index_select(1, flat).view(hkv * B, -1, d).to(q.dtype)   # [Hkv*B, L, D]
