@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import random
 import subprocess
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from interlace.bench import cpu_model
+from interlace.bench import describe_machine, machine as machine_description
 
 def prompts(vocab_size: int, n: int, length: int, seed: int) -> List[List[int]]:
     """``n`` prompts of random token ids (clear of the special tokens at both
@@ -89,13 +88,17 @@ def bench_hf(model, batch: List[List[int]], new: int) -> Dict[str, float]:
     return {"prefill": len(batch) * ids.shape[1] / tp, "decode": len(batch) * (new - 1) / max(tg - tp, 1e-9)}
 
 
-def machine() -> str:
+def machine() -> Dict[str, object]:
+    """The machine as recorded with the results: the CPU with its ISA flags
+    (:func:`interlace.bench.machine`), torch's threads, version and the CPU
+    kernel level it dispatches to, and the GPU if one is used."""
     import torch
 
-    cpu = cpu_model()
+    extra: Dict[str, object] = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                                "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if torch.cuda.is_available():
-        cpu += f" + {torch.cuda.get_device_name()}"
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        extra["gpu"] = torch.cuda.get_device_name()
+    return machine_description(**extra)
 
 
 def measure(variant: str, model: Optional[str], batches: List[int], prompt_len: int, new: int) -> Dict[int, dict]:
@@ -145,7 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     variants = [f"interlace {d}" for d in args.dtypes] + ([] if args.no_hf else [f"transformers {d}"
                                                                                   for d in args.dtypes])
     rounds: Dict[str, List[Dict[int, dict]]] = {v: [] for v in variants}
-    mach = ""
+    mach: Dict[str, object] = {}
     for r in range(args.repeat):
         for v in (variants if r % 2 == 0 else variants[::-1]):
             cmd = [sys.executable, "-m", "interlace.bench.engine", "--worker", v, "--batches",
@@ -166,8 +169,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for v in variants}
 
     name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (embedded)"
-    print(f"\n{name} | prompt {args.prompt_len} tokens, {args.new} new | {mach} | {datetime.date.today()} | "
-          f"best of {args.repeat}\n")
+    print(f"\n{name} | prompt {args.prompt_len} tokens, {args.new} new | best of {args.repeat}\n"
+          f"machine: {describe_machine(mach)}\n")
     print("| engine | " + " | ".join(f"prefill b={b} | decode b={b}" for b in args.batches) + " |")
     print("|" + "---|" * (1 + 2 * len(args.batches)))
     for v, r in rows.items():

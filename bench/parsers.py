@@ -5,7 +5,8 @@ token must stay far below a decode step (tens of ms shared by the batch): the
 target is < 5 µs per token per stream.  Realistic outputs are fed in ~4-char
 deltas (about one token each), a fresh parser per stream, finish() included.
 
-Run: ``python -m interlace.bench.parsers [--reps N]``.
+Run: ``python -m interlace.bench.parsers [--reps N] [--json out.json]`` (the machine,
+CPU flags included, is printed first and saved in the JSON).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+from interlace.bench import describe_machine, machine
 
 from interlace.parsers import (
     HermesParser,
@@ -111,14 +115,21 @@ def measure(factory: Callable[[], StreamingParser], text: str, reps: int) -> tup
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200, help="streams per measurement")
+    ap.add_argument("--json", help="also write the results and the machine as JSON here")
     args = ap.parse_args(argv)
+    mach = machine()
+    print(f"machine: {describe_machine(mach)}")
     print(f"{'format':<22}{'tokens':>8}{'µs/token':>11}{'ms/stream':>11}")
     worst = 0.0
+    rows = []
     for label, (cls, text) in OUTPUTS.items():
         us, ntok = measure(lambda cls=cls: cls(id_factory=counting_ids()), text, args.reps)  # type: ignore[misc]
         worst = max(worst, us)
+        rows.append({"format": label, "tokens": ntok, "us_per_token": us})
         print(f"{label:<22}{ntok:>8}{us:>11.2f}{us * ntok / 1e3:>11.3f}")
     print(f"worst: {worst:.2f} µs/token ({'OK' if worst < 5 else 'ABOVE'} the 5 µs target)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": mach, "reps": args.reps, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Partial tool execution, measured: Conveyor's six workloads with it off and on.
 
-    interlace bench tools [--runs 5] [--delay-s 0.5] [--plot docs/bench_tools.png] [--json out.json]
+    interlace bench tools [--pairs 5] [--delay-s 0.7] [--plot docs/bench_tools.png] [--json out.json]
                           [--only codegen search ...] [--quick]
+    interlace bench tools --report out.json [--plot ...]      # print a saved (or interrupted) run
 
 Conveyor (Xu et al., 2024) starts a tool on the partially decoded call so
 that tool time overlaps decoding.  Its six workloads, adapted to this gateway
@@ -12,8 +13,9 @@ and a CPU:
 * Search      three ``search`` calls (Hello World in Python, C++, Java), hermes
               format, over a small generated corpus with an emulated network
               delay (``--delay-s``); the search starts on the completed ``query``.
-* Planning    an LLMCompiler plan: two searches, a calculator step, a format
-              step, ``join()``; each step starts when its line is complete.
+* Planning    an LLMCompiler plan: two independent searches, a calculator
+              step, a format step, ``join()``; each step starts when its line
+              is complete (ON) or all at the plan's end (OFF).
 * Validation  a ``local_news`` call (a benchmark tool registered through the
               plugin hook) whose first field, ``location``, violates the
               schema: with partial execution decoding of the call is aborted
@@ -23,22 +25,29 @@ and a CPU:
 * Calculator  ``200*701`` with the ``calculator`` tool.
 
 The model's outputs are recorded texts replayed by forced decoding (the
-``interlace.replay`` request extension), so each run decodes the same tokens
-at the real cost of decoding them.  Requests go through the product's path
-(``build_plan`` + ``run_completion`` of a gateway started by ``create_app``'s
-lifespan), in process; the engine is wrapped in a thin proxy that only
+``interlace.replay`` request extension, which the benchmark's config allows
+with ``server: {server_tools: true, replay: true}``), so each run decodes the
+same tokens at the real cost of decoding them.  Requests go through the
+gateway's public HTTP API (``POST /v1/chat/completions``, streaming, in
+process over ASGI: :mod:`interlace.bench.asgi`) of a gateway started by
+``create_app``'s lifespan; the engine is wrapped in a thin proxy that only
 timestamps its token events, pauses and resumes.
 
-Measurements.  From the OFF runs (tools start only once a round's decoding is
-over): ``g_i`` = time from the round's start (request start, or the engine
-resume that appended the previous round's results) to the engine's pause at
-the call-end marker; ``t_i`` = time from that pause to the last tool result of
-the round; ``g_{n+1}`` = the final round.  Conveyor's equation (2) then gives
-``L_old = sum(g_i + t_i) + g_{n+1}`` and the best case ``L_best = sum(max(g_i,
-t_i)) + g_{n+1}``; the theoretical best improvement is ``L_old / L_best - 1``
-and the measured one ``median(OFF) / median(ON) - 1`` (the paper's
-definition).  "achieved" is measured / theoretical.  OFF and ON runs are
-interleaved (order alternating per repetition), after one warm-up run of each.
+OFF is an ordinary executor, not a handicapped ON: the gateway with
+``partial_execution: false`` starts all of a round's calls together once the
+round's decoding is over, and the benchmark's config gives every tool enough
+workers to run a round's independent calls in parallel (Planning's two
+searches).  Every OFF run records whether they did (``concurrency``).
+
+Measurements (per run, from the engine's marks and the streamed tool
+results): ``g_i`` = round start (request start, or the resume that appended
+round i-1's results) to the engine's pause at the call-end marker; ``t_i`` =
+that pause to the round's last tool result; ``g_{n+1}`` = the final round.
+OFF and ON runs are measured as pairs (back to back, the order alternating
+from pair to pair, after one warm-up pair); every comparison of the modes is
+made inside a pair against that pair's own bound, and only then summarised
+over pairs (median, min-max).  See :mod:`interlace.bench.pairs` for the bound
+(Conveyor's equation 2) and why a pair above it is flagged, not reported.
 """
 
 from __future__ import annotations
@@ -47,10 +56,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import json
-import os
-import platform
 import shutil
 import sqlite3
 import statistics
@@ -61,9 +67,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from interlace.bench import cpu_model
-from interlace.gateway.hookspecs import hookimpl
-from interlace.gateway.tools import Granularity, Tool
+from interlace import Granularity, Tool, hookimpl
+from interlace.bench import describe_machine, machine
+from interlace.bench.asgi import post_sse
+from interlace.bench.pairs import Pair, Timing, concurrency, pair, summarize_pairs
+
 
 # ======================================================================= the benchmark's own tool
 
@@ -219,8 +227,8 @@ def workloads(quick: bool = False) -> List[Workload]:
             "$4 = format(\"Microsoft's market cap is {0} times Apple's.\", [\"$3\"])\n"
             "join()")
     if quick:
-        plan = ("$1 = search(\"Microsoft market capitalization\")\n$2 = calculator(\"$1 / 1000\")\n"
-                "$3 = format(\"{0} trillion\", [\"$2\"])\njoin()")
+        plan = ("$1 = search(\"Microsoft market capitalization\")\n$2 = search(\"Apple market capitalization\")\n"
+                "$3 = calculator(\"$1 / $2\")\njoin()")
     news = {"location": "Springfield", "topic": "city council elections, school board budget and road works",
             "language": "en", "max_results": 10, "sort_by": "date", "since": "2024-05-01"}
     return [
@@ -246,19 +254,30 @@ def workloads(quick: bool = False) -> List[Workload]:
     ]
 
 
-def gateway_config(corpus: Path, db: Path, delay_s: float, tool_nice: int = 0,
-                   dtype: str = "float32") -> Dict[str, Any]:
-    """Tool workers get ``nice`` (a common tool setting): on a CPU-only host,
-    decoding first, tools on the CPU it leaves."""
-    common = {"nice": tool_nice} if tool_nice else {}
+def gateway_config(corpus: Path, db: Path, delay_s: float, tool_nice: int = 0, dtype: str = "float32",
+                   workers: int = 2) -> Dict[str, Any]:
+    """The benchmark's gateway.  Server tools and replay are off by default in
+    a gateway; this one enables both for its in-process caller.  Every tool
+    gets ``workers`` workers (a common tool setting; 2 = the most independent
+    calls of one tool in a round, Planning's two searches), so OFF runs a
+    round's independent calls in parallel as an ordinary executor would; tool workers
+    get ``nice``: on a CPU-only host, decoding first, tools on the CPU it
+    leaves.  A tool's wall-time limit (``timeout_s``) counts from the call's
+    start, i.e. with partial execution from the moment its name is decoded,
+    so it includes decoding the arguments: 120 s, so a slow decode on a busy
+    machine does not time a call out (the calculator's own default is 5 s).
+    The python tool may use 4 GB (CodeGen's arrays take ~1 GB)."""
+    common: Dict[str, Any] = {"workers": workers, "timeout_s": 120.0,
+                              **({"nice": tool_nice} if tool_nice else {})}
     return {
+        "server": {"server_tools": True, "replay": True},
         "models": {"smollm2": {"path": "embedded", "dtype": dtype},
                    "smollm2-code": {"path": "embedded", "parser": "markdown", "dtype": dtype},
                    "smollm2-plan": {"path": "embedded", "parser": "plan", "dtype": dtype}},
         "plugins": {"entrypoints": False, "modules": [__name__ if __name__ != "__main__" else "interlace.bench.tools"]},
         "tools": {"search": {"corpus": str(corpus), "delay_s": delay_s, **common},
                   "sqlite": {"database": str(db), **common},
-                  "python": {"isolate_network": True, **common},
+                  "python": {"memory_mb": 4096, **common},
                   "calculator": dict(common), "format": dict(common), "local_news": dict(common)},
     }
 
@@ -298,47 +317,68 @@ class TimedEngine:
 class Run:
     workload: str
     partial: bool
-    latency_s: float
+    latency_s: float                # end to end (Validation: until the tool error is known)
     g: List[float]                  # g_1 .. g_n (rounds ending in a tool call)
-    t: List[float]                  # t_1 .. t_n
+    t: List[float]                  # t_1 .. t_n (pause -> the round's last result; 0 if all were ready)
     g_final: float                  # g_{n+1}
-    tokens: int                     # decoded tokens
+    tokens: int                     # decoded tokens (Validation: until the error was known)
     round_tokens: List[int]
-    results: List[Dict[str, Any]]
+    results: List[Dict[str, Any]]   # the streamed server tool results (+ received_at)
     round_ends: List[float]         # seconds from request start to each pause
     t0: float = 0.0                 # request start (time.time())
-    ok: bool = True
-    note: str = ""
+    concurrency: List[Dict[str, Any]] = field(default_factory=list)  # see pairs.concurrency
+
+    def timing(self) -> Timing:
+        return Timing(self.latency_s, self.g, self.t, self.g_final)
 
 
-async def run_once(gw: Any, wl: Workload, partial: bool, max_tokens: int = 1200) -> Run:
-    from interlace.gateway import openai_api as api
-    from interlace.gateway.app import build_plan
-    from interlace.gateway.completions import Finish, ServerToolResult, run_completion
-
+async def run_once(app: Any, wl: Workload, partial: bool, max_tokens: int = 1200) -> Run:
+    """One request of ``wl`` through ``POST /v1/chat/completions`` (streaming)."""
+    gw = app.state.gateway
     base = gw.models[wl.model]
     timed = TimedEngine(base.engine)
-    model = dataclasses.replace(base, engine=timed)
-    body = api.validate_chat_request({
-        "model": wl.model, "messages": [{"role": "user", "content": wl.prompt}], "max_tokens": max_tokens,
-        "temperature": 0,
-        "interlace": {"server_tools": wl.tools, "replay": wl.rounds, "partial_execution": partial}})
+    body = {"model": wl.model, "messages": [{"role": "user", "content": wl.prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True,
+            "interlace": {"server_tools": wl.tools, "replay": wl.rounds, "partial_execution": partial}}
     results: List[Dict[str, Any]] = []
-    end = None
-    t0 = time.time()
-    plan = build_plan(gw, model, body)
-    async with contextlib.aclosing(run_completion(model, plan, gw.runtime, gw.metrics)) as events:
-        async for ev in events:
-            if isinstance(ev, ServerToolResult):
-                results.append({**ev.to_dict(), "received_at": time.time()})
-                if wl.validation:
-                    end = time.time()  # the error is known: what the Validation workload measures
-                    break
-            elif isinstance(ev, Finish):
-                end = time.time()
+    end: Optional[float] = None
+    error_at: Optional[float] = None
+    gw.models[wl.model] = dataclasses.replace(base, engine=timed)  # this request's engine events get timed
+    try:
+        t0 = time.time()
+        async for at, ev in post_sse(app, "/v1/chat/completions", body):
+            if ev == "[DONE]":
+                continue
+            if "error" in ev:
+                raise RuntimeError(f"{wl.name}: the gateway streamed an error: {ev['error']}")
+            res = (ev.get("interlace") or {}).get("tool_result")
+            if res is not None:
+                results.append({**res, "received_at": at})
+                if wl.validation and not res["ok"] and error_at is None:
+                    error_at = at  # the error is known: what the Validation workload measures
+            if any(c.get("finish_reason") for c in ev.get("choices") or []):
+                end = at
+    finally:
+        gw.models[wl.model] = base
     if end is None:
-        raise RuntimeError(f"{wl.name}: the completion produced no Finish event")
-    # rounds from the engine marks
+        raise RuntimeError(f"{wl.name}: the stream ended without a finish_reason")
+    if wl.validation:
+        if error_at is None:
+            raise RuntimeError(f"{wl.name}: the invalid call produced no error result")
+        end = error_at
+    g, t, g_final, round_tokens, round_ends = rounds(timed.marks, results, t0)
+    # decoded tokens (Validation: those decoded before the error was known, what early abort saves)
+    tokens = sum(1 for k, at, x in timed.marks
+                 if (k == "token" or (k in ("pause", "finish") and x)) and (not wl.validation or at <= end))
+    run = Run(wl.name, partial, end - t0, g, t, g_final, tokens, round_tokens, results, round_ends, t0=t0)
+    run.concurrency = concurrency(results, [t0 + e for e in round_ends])
+    return run
+
+
+def rounds(marks: Sequence[tuple], results: Sequence[Dict[str, Any]], t0: float
+           ) -> tuple[List[float], List[float], float, List[int], List[float]]:
+    """``g_i``, ``t_i``, ``g_{n+1}``, tokens per round and the pause times (from
+    ``t0``) out of the engine's marks and the tool results."""
     g: List[float] = []
     t: List[float] = []
     round_tokens: List[int] = []
@@ -346,8 +386,8 @@ async def run_once(gw: Any, wl: Workload, partial: bool, max_tokens: int = 1200)
     start, n_tok = t0, 0
     g_final = 0.0
     pause_at: Optional[float] = None
-    for kind, at, extra in timed.marks:
-        if kind in ("token", "pause", "finish") and (kind == "token" or extra):
+    for kind, at, extra in marks:
+        if kind == "token" or (kind in ("pause", "finish") and extra):
             n_tok += 1
         if kind == "pause":
             g.append(at - start)
@@ -355,20 +395,16 @@ async def run_once(gw: Any, wl: Workload, partial: bool, max_tokens: int = 1200)
             round_ends.append(at - t0)
             pause_at, n_tok = at, 0
         elif kind == "resume_call":
-            # the tools of the round ended before the resume; their last result marks t_i
-            finished = [r["finished_at"] for r in results if pause_at is not None and r["finished_at"] >= pause_at
-                        and r["received_at"] <= at]
-            t.append((max(finished) - pause_at) if finished else 0.0)
+            # the round's tools ended before this resume; the last result after the pause marks t_i
+            done = [r["finished_at"] for r in results
+                    if pause_at is not None and r["finished_at"] >= pause_at and r["received_at"] <= at]
+            t.append((max(done) - pause_at) if done else 0.0)
         elif kind == "resume":
             start = at
         elif kind == "finish":
             g_final = at - start
             round_tokens.append(n_tok)
-    if wl.validation and len(t) < len(g):
-        finished = [r["finished_at"] for r in results]
-        t.append(max(0.0, max(finished) - pause_at) if finished and pause_at else 0.0)
-    tokens = sum(1 for k, _, x in timed.marks if k == "token" or (k in ("pause", "finish") and x))
-    return Run(wl.name, partial, end - t0, g, t, g_final, tokens, round_tokens, results, round_ends, t0=t0)
+    return g, t, g_final, round_tokens, round_ends
 
 
 # ======================================================================= the benchmark
@@ -379,44 +415,47 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def summarize(wl: Workload, off: List[Run], on: List[Run]) -> Dict[str, Any]:
+    """One workload's row: descriptive medians of each mode, and the per-pair
+    comparison (``off[i]`` with ``on[i]``) summarised over pairs."""
+    if len(off) != len(on):
+        raise ValueError(f"{wl.name}: {len(off)} OFF runs but {len(on)} ON runs")
     n = min(len(r.g) for r in off)
-    g = [_median([r.g[i] for r in off]) for i in range(n)]
-    t = [_median([r.t[i] if i < len(r.t) else 0.0 for r in off]) for i in range(n)]
-    g_final = _median([r.g_final for r in off])
-    off_s, on_s = _median([r.latency_s for r in off]), _median([r.latency_s for r in on])
-    improvement = off_s / on_s - 1 if on_s > 0 else 0.0
     row: Dict[str, Any] = {
-        "workload": wl.name, "rounds": n, "g_s": g, "t_s": t, "g_final_s": g_final,
-        "off_s": off_s, "on_s": on_s, "off_runs_s": [r.latency_s for r in off], "on_runs_s": [r.latency_s for r in on],
-        "improvement": improvement, "validation": wl.validation,
+        "workload": wl.name, "validation": wl.validation, "rounds": n,
+        "g_s": [_median([r.g[i] for r in off]) for i in range(n)],
+        "t_s": [_median([r.t[i] if i < len(r.t) else 0.0 for r in off]) for i in range(n)],
+        "g_final_s": _median([r.g_final for r in off]),
+        "off_s": _median([r.latency_s for r in off]), "on_s": _median([r.latency_s for r in on]),
         "tokens_off": _median([r.tokens for r in off]), "tokens_on": _median([r.tokens for r in on]),
     }
     if wl.validation:
-        row.update(theoretical=None, achieved=None, saved_s=off_s - on_s,
+        saved = [a.latency_s - b.latency_s for a, b in zip(off, on)]
+        row.update(n_pairs=len(saved), saved_s=_median(saved), saved_range_s=[min(saved), max(saved)],
                    tokens_not_decoded=row["tokens_off"] - row["tokens_on"],
                    aborted_early=all(any(x.get("aborted_early") for x in r.results) for r in on),
                    errors_off=all(any(not x["ok"] for x in r.results) for r in off))
         return row
-    l_old = sum(gi + ti for gi, ti in zip(g, t)) + g_final
-    l_best = sum(max(gi, ti) for gi, ti in zip(g, t)) + g_final
-    theoretical = l_old / l_best - 1
-    row.update(l_old_s=l_old, l_best_s=l_best, theoretical=theoretical,
-               achieved=(improvement / theoretical) if theoretical >= 0.01 else None,
-               saved_s=off_s - on_s, best_saved_s=l_old - l_best,
-               ratio_t_g=(sum(t) / sum(g)) if sum(g) else 0.0)
+    pairs: List[Pair] = [pair(a.timing(), b.timing()) for a, b in zip(off, on)]
+    row["pairs"] = [p.to_dict() for p in pairs]
+    row["summary"] = summarize_pairs(pairs)
+    row["ratio_t_g"] = sum(row["t_s"]) / sum(row["g_s"]) if sum(row["g_s"]) else 0.0
+    # OFF runs a round's independent calls in parallel (an ordinary executor)
+    groups = [c for r in off for c in r.concurrency]
+    row["off_parallel"] = {"groups": len(groups), "concurrent": sum(c["concurrent"] for c in groups),
+                           "start_spread_ms_max": max((c["start_spread_s"] * 1000 for c in groups), default=None),
+                           "end_spread_ms_max": max((c["end_spread_s"] * 1000 for c in groups), default=None),
+                           "shortest_ms_min": min((c["shortest_s"] * 1000 for c in groups), default=None),
+                           "calls": max((c["calls"] for c in groups), default=0),
+                           "tool": groups[0]["tool"] if groups else None}
     # evidence that tools really ran during decoding in the ON runs
-    early = []
-    for r in on:
-        for res in r.results:
-            c = res.get("content")
-            if isinstance(c, dict) and "statements_run_early" in c:
-                early.append(c["statements_run_early"])
+    early = [res["content"]["statements_run_early"] for r in on for res in r.results
+             if isinstance(res.get("content"), dict) and "statements_run_early" in res["content"]]
     if early:
         row["statements_run_early"] = _median(early)
         row["statements"] = _median([res["content"]["statements"] for r in on for res in r.results
                                      if isinstance(res.get("content"), dict) and "statements" in res["content"]])
-    hidden = [sum(1 for res in r.results if _ready_in_round(r, res)) for r in on]
-    row["results_ready_before_round_end"] = _median(hidden) if hidden else 0
+    row["results_ready_before_round_end"] = _median([sum(1 for res in r.results if _ready_in_round(r, res))
+                                                     for r in on])
     row["all_ok"] = all(res["ok"] for r in off + on for res in r.results)
     return row
 
@@ -427,10 +466,48 @@ def _ready_in_round(run: Run, res: Dict[str, Any]) -> bool:
     return bool(pauses) and res["finished_at"] <= pauses[0]
 
 
-async def bench(args: argparse.Namespace) -> Dict[str, Any]:
+async def measure_pairs(app: Any, wl: Workload, pairs: int, warmup: int = 1,
+                        verbose: bool = False) -> tuple[List[Run], List[Run]]:
+    """``warmup`` unmeasured pairs, then ``pairs`` OFF/ON pairs, each pair back
+    to back, the order alternating (OFF first in even pairs, ON first in odd)."""
+    for _ in range(warmup):
+        for mode in (False, True):
+            await run_once(app, wl, mode)
+    off: List[Run] = []
+    on: List[Run] = []
+    for i in range(pairs):
+        for mode in ((False, True) if i % 2 == 0 else (True, False)):
+            r = await run_once(app, wl, mode)
+            (on if mode else off).append(r)
+            if verbose:
+                print(f"  {wl.name:<10} pair {i + 1} {'on ' if mode else 'off'} {r.latency_s * 1000:8.0f} ms  "
+                      f"g={[round(x * 1000) for x in r.g]} t={[round(x * 1000) for x in r.t]} "
+                      f"g_final={r.g_final * 1000:.0f} tokens={r.tokens}", file=sys.stderr)
+    return off, on
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(delay_s: float, tool_nice: int = 0, dtype: str = "float32", workers: int = 2):
+    """The benchmark's gateway app, started (fixtures in a temporary folder, removed after)."""
     from interlace.gateway.app import create_app
     from interlace.gateway.config import parse_config
 
+    tmp = Path(tempfile.mkdtemp(prefix="interlace-bench-tools-"))
+    try:
+        fx = write_fixtures(tmp)
+        cfg = parse_config(gateway_config(fx["corpus"], fx["db"], delay_s, tool_nice, dtype, workers),
+                           "<bench tools>")
+        app = create_app(cfg)
+        async with app.router.lifespan_context(app):
+            yield app
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def bench(args: argparse.Namespace, out: Dict[str, Any]) -> Dict[str, Any]:
+    """Measure the chosen workloads into ``out`` (``workloads``, ``runs``);
+    with ``--json``, ``out`` is saved after each workload, so an interrupted
+    run keeps what it measured (``--report`` prints it)."""
     chosen = [w for w in workloads(args.quick) if not args.only or w.key in [o.lower() for o in args.only]]
     if not chosen:
         raise SystemExit(f"no workload matches {args.only}")
@@ -439,45 +516,34 @@ async def bench(args: argparse.Namespace) -> Dict[str, Any]:
     threads = torch.get_num_threads()
     if args.engine_threads:
         torch.set_num_threads(args.engine_threads)
-    tmp = Path(tempfile.mkdtemp(prefix="interlace-bench-tools-"))
     try:
-        fx = write_fixtures(tmp)
-        cfg = parse_config(gateway_config(fx["corpus"], fx["db"], args.delay_s, args.tool_nice, args.dtype),
-                           "<bench tools>")
-        app = create_app(cfg)
-        gw = app.state.gateway
-        out: Dict[str, Any] = {"workloads": [], "runs": []}
-        async with app.router.lifespan_context(app):
+        out["machine"] = machine(engine_threads=torch.get_num_threads(), torch=torch.__version__)
+        out.setdefault("workloads", [])
+        out.setdefault("runs", [])
+        async with running_gateway(args.delay_s, args.tool_nice, args.dtype, args.workers) as app:
             for wl in chosen:
-                for _ in range(args.warmup):
-                    for mode in (False, True):
-                        await run_once(gw, wl, mode)
-                runs: Dict[bool, List[Run]] = {False: [], True: []}
-                for i in range(args.runs):
-                    for mode in ((False, True) if i % 2 == 0 else (True, False)):
-                        r = await run_once(gw, wl, mode)
-                        runs[mode].append(r)
-                        if args.verbose:
-                            print(f"  {wl.name:<10} {'on ' if mode else 'off'} {r.latency_s * 1000:8.0f} ms  "
-                                  f"g={[round(x * 1000) for x in r.g]} t={[round(x * 1000) for x in r.t]} "
-                                  f"g_final={r.g_final * 1000:.0f} tokens={r.tokens}", file=sys.stderr)
-                row = summarize(wl, runs[False], runs[True])
+                off, on = await measure_pairs(app, wl, args.pairs, args.warmup, args.verbose)
+                row = summarize(wl, off, on)
                 out["workloads"].append(row)
-                out["runs"] += [_run_dict(r) for r in runs[False] + runs[True]]
+                out["runs"] += [_run_dict(r, i) for runs in (off, on) for i, r in enumerate(runs)]
                 if args.verbose:
                     print(f"{wl.name}: off {row['off_s'] * 1000:.0f} ms, on {row['on_s'] * 1000:.0f} ms",
                           file=sys.stderr)
-        out["engine_threads"] = torch.get_num_threads()
+                if args.json:
+                    Path(args.json).write_text(json.dumps(out, indent=1, default=str))
         return out
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
         torch.set_num_threads(threads)
 
 
-def _run_dict(r: Run) -> Dict[str, Any]:
-    d = {k: v for k, v in dataclasses.asdict(r).items()}
-    d["results"] = [{k: v for k, v in res.items() if k in ("name", "ok", "error", "started_at", "finished_at",
-                                                            "received_at", "partial_execution", "aborted_early")}
+_RESULT_KEYS = ("name", "ok", "error", "arguments", "started_at", "tool_started_at", "arguments_done_at",
+                "finished_at", "received_at", "partial_execution", "aborted_early")
+
+
+def _run_dict(r: Run, pair_index: int) -> Dict[str, Any]:
+    d = dataclasses.asdict(r)
+    d["pair"] = pair_index
+    d["results"] = [{k: v for k, v in res.items() if k in _RESULT_KEYS}
                     | ({"statements_run_early": res["content"].get("statements_run_early")}
                        if isinstance(res.get("content"), dict) and "statements_run_early" in res["content"] else {})
                     for res in r.results]
@@ -487,46 +553,71 @@ def _run_dict(r: Run) -> Dict[str, Any]:
 # ======================================================================= report
 
 
-def machine() -> Dict[str, Any]:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
-            "date": datetime.date.today().isoformat()}
-
-
 def _ms(x: Optional[float]) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
 
 def _pct(x: Optional[float]) -> str:
-    return "n/a" if x is None else f"{x * 100:.1f}%"
+    return "n/a" if x is None else f"{x * 100:.0f}%"
+
+
+def efficiency_cell(summary: Dict[str, Any]) -> str:
+    """``87% (71% to 98%)``, with the pairs below the bound as ``; 1 of 5 pairs below L_best!``.
+
+    Never shows a value above 100%: pairs above the bound are measurement
+    errors and are only counted."""
+    eff, n, bad = summary["efficiency"], summary["pairs"], summary["below_bound"]
+    if eff is None:
+        text = "n/a (all pairs below L_best!)" if summary["hideable"] else "n/a (nothing to hide)"
+    else:
+        text = f"{_pct(eff['median'])} ({_pct(eff['lo'])} to {_pct(eff['hi'])})"
+        if eff["n"] < n - bad:
+            text += f" of {eff['n']} pairs"
+    if bad and eff is not None:
+        text += f"; {bad} of {n} pairs below L_best!"
+    return text
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    head = ("| workload | g (Σg_i) ms | t (Σt_i) ms | g_n+1 ms | off ms | on ms | improvement | "
-            "theoretical best | achieved |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| workload | pairs | Σg ms | Σt ms | g_n+1 ms | OFF ms | ON ms | max saving ms (L_old−L_best) | "
+            "saved ms, median (min to max) | efficiency, median (min to max) | pairs below L_best | "
+            "decode ON/OFF |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         if r["validation"]:
-            lines.append(f"| {r['workload']}* | {_ms(sum(r['g_s']))} | {_ms(sum(r['t_s']))} | - | {_ms(r['off_s'])} "
-                         f"| {_ms(r['on_s'])} | {_pct(r['improvement'])} | n/a (early abort) | - |")
-        else:
-            ach = "-" if r["achieved"] is None else f"{r['achieved'] * 100:.0f}%"
-            lines.append(f"| {r['workload']} | {_ms(sum(r['g_s']))} | {_ms(sum(r['t_s']))} | {_ms(r['g_final_s'])} "
-                         f"| {_ms(r['off_s'])} | {_ms(r['on_s'])} | {_pct(r['improvement'])} "
-                         f"| {_pct(r['theoretical'])} | {ach} |")
+            lines.append(f"| {r['workload']}* | {r['n_pairs']} | {_ms(sum(r['g_s']))} | "
+                         f"{_ms(sum(r['t_s']))} | - | {_ms(r['off_s'])} | {_ms(r['on_s'])} | n/a (early abort) | "
+                         f"{_ms(r['saved_s'])} ({_ms(r['saved_range_s'][0])} to {_ms(r['saved_range_s'][1])}) | "
+                         f"n/a | - | - |")
+            continue
+        s = r["summary"]
+        dec = s["decode_ratio"]
+        lines.append(
+            f"| {r['workload']} | {s['pairs']} | {_ms(sum(r['g_s']))} | {_ms(sum(r['t_s']))} | "
+            f"{_ms(r['g_final_s'])} | {_ms(r['off_s'])} | {_ms(r['on_s'])} | {_ms(s['max_saving_s']['median'])} | "
+            f"{_ms(s['saved_s']['median'])} ({_ms(s['saved_s']['lo'])} to {_ms(s['saved_s']['hi'])}) | "
+            f"{efficiency_cell(s)} | {s['below_bound']}{'!' if s['below_bound'] else ''} | "
+            + (f"{dec['median']:.2f} ({dec['lo']:.2f} to {dec['hi']:.2f}) |" if dec else "- |"))
     return "\n".join(lines)
 
 
-def notes(rows: List[Dict[str, Any]]) -> str:
+def notes(rows: List[Dict[str, Any]], delay_s: float) -> str:
     out = []
     for r in rows:
         if r["validation"]:
             out.append(f"{r['workload']}*: time until the schema error is known; partial execution aborted the "
                        f"call early: {r['aborted_early']}; tokens decoded {r['tokens_off']:.0f} (off) vs "
-                       f"{r['tokens_on']:.0f} (on): {r['tokens_not_decoded']:.0f} tokens and "
-                       f"{r['saved_s'] * 1000:.0f} ms of decoding saved")
-        elif "statements_run_early" in r:
+                       f"{r['tokens_on']:.0f} (on): {r['tokens_not_decoded']:.0f} tokens not decoded")
+            continue
+        if "statements_run_early" in r:
             out.append(f"{r['workload']}: {r['statements_run_early']:.0f} of {r['statements']:.0f} statements ran "
                        f"while the model was still decoding (ON)")
+        par = r.get("off_parallel") or {}
+        if par.get("groups"):
+            out.append(f"{r['workload']} OFF: {par['calls']} independent {par['tool']} calls of a round ran "
+                       f"concurrently in {par['concurrent']} of {par['groups']} OFF runs (starts within "
+                       f"{par['start_spread_ms_max']:.0f} ms, ends within {par['end_spread_ms_max']:.0f} ms, "
+                       f"each call >= {par['shortest_ms_min']:.0f} ms; search delay {delay_s * 1000:.0f} ms)")
     return "\n".join(out)
 
 
@@ -543,30 +634,38 @@ def plot(rows: List[Dict[str, Any]], path: Path) -> None:
     left.bar(xs - 0.2, [r["off_s"] for r in rows], 0.4, label="partial execution off")
     left.bar(xs + 0.2, [r["on_s"] for r in rows], 0.4, label="partial execution on")
     for i, r in enumerate(rows):
-        if r.get("l_best_s"):
-            left.plot([i + 0.02, i + 0.38], [r["l_best_s"]] * 2, color="k", lw=1.5,
-                      label="theoretical best (eq. 2)" if i == 0 else None)
+        if not r["validation"]:
+            best = _median([p["l_best_s"] for p in r["pairs"]])
+            left.plot([i + 0.02, i + 0.38], [best] * 2, color="k", lw=1.5,
+                      label="L_best (eq. 2), median over pairs" if i == 0 else None)
     left.set_xticks(xs, names)
     left.set_ylabel("end-to-end latency (s), median")
     left.set_title("Latency per workload")
     left.legend(fontsize=8)
-    ratio = np.logspace(-3, 2, 400)
-    right.plot(ratio, ((1 + ratio) / np.maximum(1, ratio) - 1) * 100, label="theoretical best, g_n+1 = 0")
-    for r in rows:
-        if r["validation"]:
-            continue
-        right.scatter([max(r["ratio_t_g"], 1e-3)], [r["improvement"] * 100], color="tab:red", zorder=3)
-        right.scatter([max(r["ratio_t_g"], 1e-3)], [r["theoretical"] * 100], facecolors="none",
-                      edgecolors="k", zorder=3)
-        right.annotate(r["workload"], (max(r["ratio_t_g"], 1e-3), r["improvement"] * 100),
-                       textcoords="offset points", xytext=(5, 5), fontsize=8)
-    right.scatter([], [], color="tab:red", label="measured")
-    right.scatter([], [], facecolors="none", edgecolors="k", label="best for the measured g_i, t_i, g_n+1")
-    right.set_xscale("log")
-    right.set_xlabel("tool time / decoding time  (Σt_i / Σg_i)")
-    right.set_ylabel("latency improvement (%)")
-    right.set_title("Improvement vs t/g (Conveyor Fig. 8)")
-    right.legend(fontsize=8)
+    shown = [r for r in rows if not r["validation"] and r["summary"]["hideable"]]  # not "nothing to hide"
+    for i, r in enumerate(shown):
+        ok = [p["efficiency"] * 100 for p in r["pairs"] if p["efficiency"] is not None]
+        bad = sum(p["below_bound"] for p in r["pairs"])
+        right.scatter([i] * len(ok), ok, color="tab:blue", zorder=3, label="one OFF/ON pair" if i == 0 else None)
+        if ok:
+            right.plot([i - 0.25, i + 0.25], [statistics.median(ok)] * 2, color="k", lw=2,
+                       label="median" if i == 0 else None)
+        if bad:
+            right.annotate(f"{bad} below L_best!", (i, 100), textcoords="offset points", xytext=(-20, 6),
+                           fontsize=8, color="tab:red")
+    right.axhline(100, color="grey", ls="--", lw=1)
+    right.axhline(0, color="grey", lw=0.5)
+    shown_eff = [p["efficiency"] * 100 for r in shown for p in r["pairs"] if p["efficiency"] is not None]
+    right.set_ylim(min([-10.0, *[e - 10 for e in shown_eff]]), 115)
+    if shown:
+        right.set_xlim(-0.5, len(shown) - 0.5)
+    else:
+        right.text(0.5, 0.5, "no workload with tool time to hide", transform=right.transAxes, ha="center")
+    right.set_xticks(range(len(shown)), [r["workload"] for r in shown])
+    right.set_ylabel("time saved / most the bound allows (%)")
+    right.set_title("Efficiency per pair: (L_off - L_on) / (L_old - L_best)")
+    if shown:
+        right.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -575,9 +674,12 @@ def plot(rows: List[Dict[str, Any]], path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="interlace bench tools", description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=5, help="measured runs per workload and mode (median)")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs per workload and mode first")
+    p.add_argument("--pairs", "--runs", dest="pairs", type=int, default=5,
+                   help="measured OFF/ON pairs per workload")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured pairs per workload first")
     p.add_argument("--delay-s", type=float, default=0.7, help="emulated network delay of each search (s)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="workers per tool (enough for a round's independent calls to run in parallel)")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="torch threads for the engine (0: torch's default); 1 leaves the other cores to the tools")
     p.add_argument("--tool-nice", type=int, default=10,
@@ -586,34 +688,47 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine dtype (the recorded results use float32)")
     p.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
     p.add_argument("--plot", default="docs/bench_tools.png", help="where to save the plot ('' for none)")
-    p.add_argument("--json", help="also write the results (and every run) as JSON here")
-    p.add_argument("--quick", action="store_true", help="smoke test: short outputs, 1 run, no warm-up")
+    p.add_argument("--json", help="also write the results (every run, every pair, the machine) as JSON here")
+    p.add_argument("--quick", action="store_true", help="smoke test: short outputs, 1 pair, no warm-up")
+    p.add_argument("--report", metavar="JSON", help="measure nothing: print the table (and --plot) of a saved --json")
     p.add_argument("-v", "--verbose", action="store_true", help="print each run")
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.quick:
-        args.runs, args.warmup = 1, 0
-        if "--delay-s" not in (argv or sys.argv):
-            args.delay_s = 0.2
-    t_start = time.time()
-    out = asyncio.run(bench(args))
-    out["machine"] = {**machine(), "engine_threads": out.pop("engine_threads")}
-    out["settings"] = {"runs": args.runs, "warmup": args.warmup, "delay_s": args.delay_s, "quick": args.quick,
-                       "engine_threads": args.engine_threads, "tool_nice": args.tool_nice}
-    rows = out["workloads"]
-    print(f"interlace bench tools: {out['machine']['cpu']}, {out['machine']['cores']} cores, "
-          f"{out['machine']['date']}; engine threads {out['machine']['engine_threads']}, tool workers at nice "
-          f"{args.tool_nice}; median of {args.runs} runs per mode; search delay {args.delay_s:g} s")
+def report(out: Dict[str, Any], plot_path: Optional[str]) -> None:
+    """Print the caption, the table and the notes of ``out``; save the plot."""
+    st, rows = out["settings"], out["workloads"]
+    print(f"interlace bench tools: {st['pairs']} OFF/ON pairs per workload (order alternating, "
+          f"{st['warmup']} warm-up pair), tool workers {st['workers']} per tool at nice {st['tool_nice']}, "
+          f"search delay {st['delay_s']:g} s, {st['dtype']}")
+    print(f"machine: {describe_machine(out['machine'])}")
+    print(f"command: {st['command']}")
     print(table(rows))
-    extra = notes(rows)
+    extra = notes(rows, st["delay_s"])
     if extra:
         print(extra)
-    if args.plot:
-        plot(rows, Path(args.plot))
-        print(f"plot: {args.plot}")
+    if plot_path and rows:
+        plot(rows, Path(plot_path))
+        print(f"plot: {plot_path}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.report:
+        report(json.loads(Path(args.report).read_text()), args.plot)
+        return 0
+    if args.quick:
+        args.pairs, args.warmup = 1, 0
+        if "--delay-s" not in (argv if argv is not None else sys.argv):
+            args.delay_s = 0.2
+    t_start = time.time()
+    out: Dict[str, Any] = {"settings": {
+        "pairs": args.pairs, "warmup": args.warmup, "delay_s": args.delay_s, "quick": args.quick,
+        "workers": args.workers, "engine_threads": args.engine_threads, "tool_nice": args.tool_nice,
+        "dtype": args.dtype,
+        "command": "interlace bench tools " + " ".join(argv if argv is not None else sys.argv[1:])}}
+    asyncio.run(bench(args, out))
+    report(out, args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     print(f"({time.time() - t_start:.0f} s)")

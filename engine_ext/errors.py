@@ -47,7 +47,13 @@ class InvalidSampling(EngineError, ValueError):
 
 
 class EngineClosed(EngineError):
-    """The engine was shut down."""
+    """The engine was shut down (raised by every call made after ``close()``,
+    and by calls still waiting when it happened)."""
+
+
+class FillCancelled(EngineError):
+    """A fill was undone because an earlier fill of the same context, which
+    it extended, was cancelled by its caller.  Nothing of it was applied."""
 
 
 class InvalidContextState(EngineError):

@@ -42,7 +42,10 @@ class SamplingParams:
     model's EOS ids end generation and are included in the context (not in
     the text).  ``pause_on`` strings pause the context (as :meth:`Engine.pause`
     would) right after the token that completes one, so no token is decoded
-    past a tool call's end.
+    past a tool call's end.  ``skip_special_tokens`` (as in vLLM) leaves the
+    text of special tokens out of the stream; set it False when a parser must
+    see them (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``).  The
+    EOS or stop token that ends generation is never part of the text.
     """
 
     max_tokens: int = 256
@@ -56,6 +59,7 @@ class SamplingParams:
     logprobs: bool = False
     logits_processors: Sequence[LogitsProcessor] = ()
     pause_on: Sequence[str] = ()
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +79,8 @@ class SamplingParams:
             raise InvalidSampling(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
         if any((not isinstance(s, str)) or s == "" for s in list(self.stop) + list(self.pause_on)):
             raise InvalidSampling("stop and pause_on strings must be non-empty strings")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidSampling(f"skip_special_tokens must be a boolean, got {self.skip_special_tokens!r}")
 
     @property
     def greedy(self) -> bool:
@@ -126,7 +132,8 @@ class Engine(Protocol):
     async def fill(self, context_id: ContextId, token_ids: Sequence[int],
                    parent_context_id: Optional[ContextId] = None) -> int:
         """Create (or fork from ``parent_context_id``) or extend a context and
-        compute KV for the new tokens.  Returns the context's length."""
+        compute KV for the new tokens.  Returns the context's length.  If the
+        caller is cancelled, the fill is undone (safe to retry)."""
         ...
 
     def generate(self, context_id: ContextId, sampling: SamplingParams,

@@ -15,22 +15,26 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, TypeVar
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine_ext.errors import ContextTooLong, EngineError, InvalidSampling
-from ..engine_ext.forced import ForcedOutput
-from ..engine_ext.protocol import SamplingParams
+from ..engine_ext.errors import ContextTooLong, EngineError
+from . import http_guard as guard_
 from . import openai_api as api
-from .chat import render_messages, tool_format
-from .completions import (CallArgs, CallStart, CompletionPlan, Content, Finish, FirstRoundOnly, ServerToolResult,
-                          TokenLogprob, run_completion)
-from .config import GatewayConfig, ModelSpec
+from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
+from .config import ConfigError, GatewayConfig, ModelSpec
+from .http_guard import ClientGone
 from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .plan import build_plan
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +55,14 @@ class ModelServer:
         return self.engine.tokenizer
 
     @property
-    def tool_format(self):
+    def tool_format(self) -> Any:
+        """The parser class owns its tool-call format (``format``); the fallback to the
+        old per-name table only serves parsers that predate that attribute."""
+        fmt = getattr(self.parser_factory, "format", None)
+        if fmt is not None:
+            return fmt
+        from .chat import tool_format  # noqa: PLC0415  (legacy table)
+
         return tool_format(self.spec.parser)
 
     @property
@@ -72,9 +83,11 @@ class ModelServer:
 class Gateway:
     """Everything the routes share; built from a config by :func:`create_app`."""
 
-    def __init__(self, config: GatewayConfig, engine_factory: Optional[Callable[[ModelSpec], Any]] = None):
+    def __init__(self, config: GatewayConfig, engine_factory: Optional[Callable[[ModelSpec], Any]] = None,
+                 plugins: Iterable[object] = ()):
         self.config = config
         self.engine_factory = engine_factory or load_engine
+        self.extra_plugins = tuple(plugins)
         self.metrics = Metrics()
         self.models: Dict[str, ModelServer] = {}
         self.host: Any = None
@@ -88,14 +101,14 @@ class Gateway:
 
         cfg = self.config
         self.host = PluginHost(cfg.tools, entrypoints=cfg.plugin_entrypoints,
-                               builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules))
+                               builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules), plugins=self.extra_plugins)
         self.parsers = ParserRegistry()
         for name, factory in self.host.parsers().items():
             self.parsers.register(name, factory)
         for spec in cfg.models.values():
             if spec.parser not in self.parsers:
-                raise api.APIError(500, f"model {spec.name!r}: unknown parser {spec.parser!r} "
-                                        f"(installed: {', '.join(self.parsers.names())})")
+                raise ConfigError(f"{cfg.source}: models.{spec.name}.parser: unknown parser {spec.parser!r} "
+                                  f"(installed: {', '.join(self.parsers.names())})")
         try:
             engines: Dict[str, Any] = {}  # models that differ only in name/parser share one engine
             for spec in cfg.models.values():
@@ -130,8 +143,13 @@ def load_engine(spec: ModelSpec) -> Any:
 
 
 # ===================================================================== routes
-def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSpec], Any]] = None) -> Starlette:
-    gw = Gateway(config, engine_factory)
+def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSpec], Any]] = None,
+               plugins: Iterable[object] = ()) -> Starlette:
+    """The ASGI app.  ``plugins`` registers extra plugin objects (tests, embedding)
+    besides the configured modules and entry points."""
+    gw = Gateway(config, engine_factory, plugins)
+    for warning in guard_.startup_warnings(config):
+        log.warning(warning)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -144,23 +162,19 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
     def error(e: api.APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
-    def authorized(request: Request) -> bool:
-        keys = config.api_keys
-        if not keys:
-            return True
-        auth = request.headers.get("authorization", "")
-        return auth.startswith("Bearer ") and auth[7:] in keys
-
     def guard(fn):
+        """Authentication, and APIError -> its JSON answer.  The request's key is
+        passed on as ``request.state.caller``."""
         async def wrapped(request: Request) -> Response:
-            if not authorized(request):
-                return error(api.APIError(401, "invalid or missing API key", "invalid_request_error",
-                                          code="invalid_api_key"))
             try:
+                request.state.caller = guard_.authenticate(config, request)
                 return await fn(request)
             except api.APIError as e:
                 gw.metrics.request(request.url.path, "", e.status)
                 return error(e)
+            except ClientGone:  # nobody to answer; 499 is what the access log and metrics show
+                gw.metrics.request(request.url.path, "", 499)
+                return Response(status_code=499)
         return wrapped
 
     async def health(request: Request) -> Response:
@@ -173,7 +187,7 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
              "max_model_len": m.max_model_len} for m in gw.models.values()]})
 
     @guard
-    async def plugins(request: Request) -> Response:
+    async def plugins_route(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": gw.host.list_plugins()})
 
     async def metrics(request: Request) -> Response:
@@ -181,154 +195,150 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
 
     @guard
     async def chat_completions(request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > config.max_request_bytes:
-            raise api.APIError(413, f"request body over {config.max_request_bytes} bytes", code="request_too_large")
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise api.APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json")
+        guard_.require_json(request)
+        body = api.parse_json(await guard_.read_body(request, config.max_request_bytes))
         body = api.validate_chat_request(body)
         model = gw.models.get(body["model"])
         if model is None:
             raise api.APIError(404, f"the model {body['model']!r} does not exist (available: "
                                     f"{', '.join(gw.models)})", param="model", code="model_not_found")
-        plan = build_plan(gw, model, body)
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(stream_chunks(gw, model, plan, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await collect(gw, model, plan))
+        enabled = [n for n, t in (gw.runtime.tools if gw.runtime else {}).items() if t.enabled]
+        caller = request.state.caller
+        guard_.authorize(config, caller, body, enabled)
+        plan = build_plan(gw, model, body, caller=caller.name if caller else None)
+        events = run_completion(model, plan, gw.runtime, gw.metrics)
+        if not body.get("stream"):
+            return JSONResponse(await until_disconnected(request, collect(gw, model, plan, events)))
+        # Start generating before the response does: an error up to the first event (a context
+        # too long, an engine that refuses the sampling) is still an HTTP error, not a broken stream.
+        try:
+            first = await until_disconnected(request, _first_event(events))
+        except BaseException:
+            await events.aclose()
+            raise
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return ClosingStreamingResponse(stream_chunks(gw, model, events, first, include_usage),
+                                        on_close=events.aclose, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = {404: f"no such endpoint: {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return JSONResponse(api.APIError(exc.status_code, message, code=code).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        # Starlette logs the traceback (the exception is re-raised after this answer).
+        return JSONResponse(api.APIError(500, f"internal server error ({type(exc).__name__}); the gateway's log "
+                                              "has the details", "server_error", code="internal_error").body(),
+                            status_code=500)
 
     routes = [
         Route("/health", health),
         Route("/v1/models", models),
-        Route("/v1/plugins", plugins),
+        Route("/v1/plugins", plugins_route),
         Route("/metrics", metrics),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [Middleware(guard_.OriginGuard, allowed=config.cors_origins)]
+    if config.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, **guard_.cors_middleware_args(config)))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.gateway = gw
     return app
 
 
-# ============================================================ request -> plan
-def build_plan(gw: Gateway, model: ModelServer, body: Dict[str, Any]) -> CompletionPlan:
-    ext = body.get("interlace") or {}
-    tools: List[Dict[str, Any]] = list(body.get("tools") or [])
-    server: Dict[str, Any] = {}
-    wanted = ext.get("server_tools")
-    if wanted:
-        available = gw.runtime.tools if gw.runtime else {}
-        names = [n for n, t in available.items() if t.enabled] if wanted is True else wanted
-        for n in names:
-            tool = available.get(n)
-            if tool is None or not tool.enabled:
-                raise api.APIError(400, f"unknown server tool {n!r} (enabled: "
-                                        f"{', '.join(k for k, t in available.items() if t.enabled)})",
-                                   param="interlace.server_tools", code="unknown_tool")
-            server[n] = tool
-            if not any(t["function"]["name"] == n for t in tools):
-                tools.append({"type": "function", "function": {"name": n, "description": tool.description,
-                                                               "parameters": tool.parameters}})
-    choice = body.get("tool_choice") or ("auto" if tools else "none")
-    shown_tools = tools if choice != "none" else []
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` until it finishes or the client disconnects, whichever comes first;
+    on a disconnect ``work`` is cancelled (its generation aborted, its context freed)
+    and :class:`ClientGone` raised.  The body has been read, so the next ASGI message
+    can only be ``http.disconnect``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        text = render_messages(model.tokenizer, body["messages"], shown_tools, model.tool_format)
-    except ValueError as e:
-        raise api.APIError(400, f"messages could not be rendered for this model: {e}", param="messages",
-                           code="invalid_value")
-    prompt = model.tokenizer.encode(text)
-    room = model.max_model_len - len(prompt)
-    if room < 1:
-        raise api.APIError(400, f"this model's maximum context length is {model.max_model_len} tokens; the "
-                                f"messages take {len(prompt)} tokens", param="messages",
-                           code="context_length_exceeded")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if max_tokens is not None and max_tokens > room:
-        raise api.APIError(400, f"this model's maximum context length is {model.max_model_len} tokens; the "
-                                f"messages take {len(prompt)} and max_tokens asks for {max_tokens} more",
-                           param="max_tokens", code="context_length_exceeded")
-    stop = body.get("stop")
-    processors = constraint(model, body, tools, choice)
-    if server and processors:  # tool_choice / format constrain the first round, not the final answer
-        processors = tuple(FirstRoundOnly(p) for p in processors)
-    if ext.get("replay") is not None:
-        pieces = [ext["replay"]] if isinstance(ext["replay"], str) else ext["replay"]
-        eos = min(model.tokenizer.eos_token_ids) if model.tokenizer.eos_token_ids else None
-        processors = (ForcedOutput([model.tokenizer.encode(p) for p in pieces], eos),)
-    try:
-        sampling = SamplingParams(
-            max_tokens=max_tokens or room,
-            temperature=1.0 if body.get("temperature") is None else float(body["temperature"]),
-            top_p=1.0 if body.get("top_p") is None else float(body["top_p"]),
-            top_k=body.get("top_k") or 0, seed=body.get("seed"),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-            logprobs=bool(body.get("logprobs")), logits_processors=processors)
-    except InvalidSampling as e:
-        raise api.APIError(400, str(e), code="invalid_value")
-    return CompletionPlan(prompt_ids=prompt, sampling=sampling, parse_tools=choice != "none" and bool(tools),
-                          server_tools=server, partial_execution=ext.get("partial_execution", True),
-                          max_tool_rounds=ext.get("max_tool_rounds", gw.config.max_tool_rounds),
-                          parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-                          request_info={"model": model.name, "user": body.get("user")})
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("request failed while its client disconnected: %r", task.exception())
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():  # we were cancelled ourselves
+            task.cancel()
 
 
-def constraint(model: ModelServer, body: Dict[str, Any], tools: List[Dict[str, Any]], choice: Any) -> tuple:
-    """Logits processors enforcing tool_choice / response_format (constrained decoding)."""
-    rf = body.get("response_format") or {}
-    forced = choice["function"]["name"] if isinstance(choice, dict) else None
-    if forced is None and choice != "required" and rf.get("type") not in ("json_object", "json_schema"):
-        return ()
-    from .constrained import GrammarError
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    g = model.grammar()
+
+async def _first_event(events: AsyncIterator[Any]) -> Any:
     try:
-        if forced is not None or choice == "required":
-            # A named function means one call to it; "required" allows several calls only when asked
-            # explicitly (a grammar cannot make a small model stop, so it would repeat calls).
-            grammar = g.tool_calls(tools, force=forced, fmt=model.tool_format.name,
-                                   parallel=forced is None and body.get("parallel_tool_calls") is True)
-        elif rf["type"] == "json_schema":
-            grammar = g.json_schema(rf["json_schema"]["schema"])
-        else:
-            grammar = g.json_object()
-    except GrammarError as e:
-        raise api.APIError(400, str(e), param="response_format" if not tools else "tools", code="invalid_value")
-    return (g.processor(grammar),)
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+    except EngineError as e:
+        raise engine_error(e) from e
+
+
+def engine_error(e: EngineError) -> api.APIError:
+    """A context too long for the model is the client's mistake; other engine errors are ours."""
+    if isinstance(e, ContextTooLong):
+        return api.APIError(400, str(e), code="context_length_exceeded")
+    return api.APIError(500, f"engine error: {e}", "server_error", code="engine_error")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes the completion it streams however it ends --
+    even when the client is gone before the body iterator ever ran (which would
+    otherwise leave the context to the garbage collector)."""
+
+    def __init__(self, content: Any, on_close: Callable[[], Awaitable[None]], **kw: Any):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
 
 
 # ================================================================= responses
-async def collect(gw: Gateway, model: ModelServer, plan: CompletionPlan) -> Dict[str, Any]:
+async def collect(gw: Gateway, model: ModelServer, plan: CompletionPlan, events: Any) -> Dict[str, Any]:
+    """The whole completion as one ``chat.completion`` object."""
     content: List[str] = []
     calls: Dict[int, Dict[str, Any]] = {}
-    server_calls = set()
     results: List[Dict[str, Any]] = []
     logprobs: List[Dict[str, Any]] = []
     finish: Optional[Finish] = None
     try:
-        async with contextlib.aclosing(run_completion(model, plan, gw.runtime, gw.metrics)) as events:
+        async with contextlib.aclosing(events):
             async for ev in events:
                 if isinstance(ev, Content):
                     content.append(ev.text)
                 elif isinstance(ev, TokenLogprob):
                     logprobs.append(_logprob_entry(ev))
-                elif isinstance(ev, CallStart):
-                    if ev.server:
-                        server_calls.add(ev.index)
-                    else:
-                        calls[ev.index] = {"id": ev.id, "type": "function",
-                                           "function": {"name": ev.name, "arguments": ""}}
-                elif isinstance(ev, CallArgs) and ev.index in calls:
+                elif isinstance(ev, CallStart) and not ev.server:
+                    calls[ev.index] = {"id": ev.id, "type": "function",
+                                       "function": {"name": ev.name, "arguments": ""}}
+                elif isinstance(ev, CallArgs) and not ev.server and ev.index in calls:
                     calls[ev.index]["function"]["arguments"] += ev.fragment
                 elif isinstance(ev, ServerToolResult):
                     results.append(ev.to_dict())
                 elif isinstance(ev, Finish):
                     finish = ev
-    except ContextTooLong as e:
-        raise api.APIError(400, str(e), code="context_length_exceeded")
     except EngineError as e:
-        raise api.APIError(500, f"engine error: {e}", "server_error")
+        raise engine_error(e) from e
+    if finish is None:
+        raise api.APIError(500, "the completion ended without a finish event", "server_error",
+                           code="internal_error")
     gw.metrics.request("/v1/chat/completions", model.name, 200)
     gw.metrics.usage(model.name, finish.usage)
     message: Dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
@@ -347,17 +357,26 @@ def _logprob_entry(ev: TokenLogprob) -> Dict[str, Any]:
     return {"token": ev.text, "logprob": ev.logprob, "bytes": list(ev.text.encode()), "top_logprobs": []}
 
 
-async def stream_chunks(gw: Gateway, model: ModelServer, plan: CompletionPlan,
+async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+        async for ev in events:
+            yield ev
+
+
+async def stream_chunks(gw: Gateway, model: ModelServer, events: Any, first_event: Any,
                         include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events of one completion whose first event is already known.
+    Whatever goes wrong after the first byte, the client gets an error event in
+    OpenAI's shape and then ``[DONE]`` -- never a connection that just stops."""
     cid, created, name = api.completion_id(), api.now(), model.name
     t0 = time.perf_counter()
     first = True
-    server_calls = set()
     pending_logprobs: List[Dict[str, Any]] = []
     yield api.sse(api.chunk(cid, name, created, {"role": "assistant", "content": ""}))
     try:
-        async with contextlib.aclosing(run_completion(model, plan, gw.runtime, gw.metrics)) as events:
-            async for ev in events:
+        async with contextlib.aclosing(events):
+            async for ev in _chain(first_event, events):
                 if first and isinstance(ev, (Content, CallStart)):
                     gw.metrics.ttft.labels(name).observe(time.perf_counter() - t0)
                     first = False
@@ -371,7 +390,6 @@ async def stream_chunks(gw: Gateway, model: ModelServer, plan: CompletionPlan,
                     yield api.sse(c)
                 elif isinstance(ev, CallStart):
                     if ev.server:
-                        server_calls.add(ev.index)
                         yield api.sse(api.chunk(cid, name, created, {}, interlace={
                             "tool_call_start": {"index": ev.index, "id": ev.id, "name": ev.name}}))
                     else:
@@ -379,7 +397,7 @@ async def stream_chunks(gw: Gateway, model: ModelServer, plan: CompletionPlan,
                             "index": ev.index, "id": ev.id, "type": "function",
                             "function": {"name": ev.name, "arguments": ""}}]}))
                 elif isinstance(ev, CallArgs):
-                    if ev.index in server_calls:
+                    if ev.server:
                         yield api.sse(api.chunk(cid, name, created, {}, interlace={
                             "tool_call_arguments": {"index": ev.index, "fragment": ev.fragment}}))
                     else:
@@ -394,9 +412,12 @@ async def stream_chunks(gw: Gateway, model: ModelServer, plan: CompletionPlan,
                     if include_usage:
                         yield api.sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                                        "model": name, "choices": [], "usage": ev.usage})
-    except EngineError as e:
-        status = 400 if isinstance(e, ContextTooLong) else 500
-        gw.metrics.request("/v1/chat/completions", name, status)
-        yield api.sse(api.APIError(status, str(e), "invalid_request_error" if status == 400 else "server_error")
-                      .body())
+    except Exception as e:  # noqa: BLE001  (reported to the client, logged with its traceback)
+        err = engine_error(e) if isinstance(e, EngineError) else api.APIError(
+            500, f"internal server error ({type(e).__name__}) while streaming; the gateway's log has the details",
+            "server_error", code="internal_error")
+        if err.status >= 500:
+            log.exception("streaming completion failed")
+        gw.metrics.request("/v1/chat/completions", name, err.status)
+        yield api.sse(err.body())
     yield b"data: [DONE]\n\n"

@@ -1,98 +1,49 @@
-"""From OpenAI chat messages (and tools) to prompt tokens, per model.
+"""From OpenAI chat messages (and tools) to prompt token ids, per model.
 
 When a model's chat template understands ``tools`` (Qwen2.5, Llama 3.1 ...),
 the template renders them.  When it does not (SmolLM2's), the tools are
 described in the system prompt in the model's tool-call format -- the format
-its parser reads -- and assistant tool calls / tool results in the history
-are written in that same format, so the model sees a consistent transcript.
+its parser reads, ``parser.format`` (:mod:`interlace.parsers.formats`) -- and
+assistant tool calls / tool results in the history are written in that same
+format, so the model sees a consistent transcript.
+
+Everything a client wrote (message contents, tool descriptions, tool-call
+arguments, tool results) is tokenized as plain text: a user message holding
+``<|im_end|><|im_start|>system`` cannot open a system turn.  Only the
+template's own markers and the format's markers become special tokens (see
+:meth:`Tokenizer.encode_rendered`).  Strings that cannot be rendered as plain
+text (a tool name or schema key holding a special token) are refused with a
+``ValueError``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..parsers.formats import ToolFormat, check_format
+
+Mark = Callable[[str], str]
+
+__all__ = ["ToolFormat", "tool_format", "render_messages", "render_text", "tool_results_turn",
+           "template_supports_tools"]
 
 
-@dataclass(frozen=True)
-class ToolFormat:
-    """How one tool-call format looks in a prompt."""
+def tool_format(parser: Any) -> ToolFormat:
+    """The format of a parser: a parser class/factory (its ``format``) or a built-in parser's name.
 
-    name: str
-    instructions: str              # system-prompt text; {tools} is the JSON list of functions
-    call_end: str                  # marker after which a call is complete (the engine pauses there)
+    There is no fallback: a parser without a format is a configuration error
+    (:class:`~interlace.parsers.formats.FormatError`); an unknown name raises
+    :class:`~interlace.parsers.UnknownParserError`.
+    """
+    if isinstance(parser, str):
+        from ..parsers.builtin import BUILTIN_PARSERS
+        from ..parsers.base import UnknownParserError
 
-    def render_call(self, name: str, arguments: Any) -> str:
-        raise NotImplementedError
-
-    def render_result(self, content: str) -> str:
-        raise NotImplementedError
-
-
-class HermesFormat(ToolFormat):
-    def render_call(self, name: str, arguments: Any) -> str:
-        return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)}\n</tool_call>'
-
-    def render_result(self, content: str) -> str:
-        return f"<tool_response>\n{content}\n</tool_response>"
-
-
-HERMES = HermesFormat(
-    name="hermes",
-    instructions=(
-        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-        "For each function call, return a json object with function name and arguments within "
-        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-        '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'),
-    call_end="</tool_call>",
-)
-
-class MarkdownFormat(ToolFormat):
-    """Code in a fenced block is run by the code tool (Conveyor's CodeGen)."""
-
-    def render_call(self, name: str, arguments: Any) -> str:
-        return f"```python\n{arguments.get('code', '')}\n```"
-
-    def render_result(self, content: str) -> str:
-        return f"Output:\n```\n{content}\n```"
-
-
-MARKDOWN = MarkdownFormat(
-    name="markdown",
-    instructions=("You can run Python code: write it in one ```python code block. It is executed and you "
-                  "will see its output.\n\nAvailable tools (for reference):\n{tools}"),
-    call_end="\n```\n",  # a closing fence; the opening one is followed by a language, not a newline
-)
-
-
-class PlanFormat(ToolFormat):
-    """LLMCompiler-style plans: one call per line, ``$N`` names results,
-    ``join()`` ends the plan (Conveyor's Planning workload)."""
-
-    def render_call(self, name: str, arguments: Any) -> str:
-        args = ", ".join(json.dumps(a) for a in arguments.get("args", []))
-        return f"${arguments.get('step', 1)} = {name}({args})"
-
-    def render_result(self, content: str) -> str:
-        return content
-
-
-PLAN = PlanFormat(
-    name="plan",
-    instructions=("Answer by writing a plan, one tool call per line, each naming its result:\n"
-                  '$1 = tool("argument")\n$2 = other_tool("uses $1")\n'
-                  "then a final line `join()`. The calls run; you then see every result and answer.\n\n"
-                  "Tools:\n{tools}"),
-    call_end="join()",
-)
-
-FORMATS: Dict[str, ToolFormat] = {"hermes": HERMES, "markdown": MARKDOWN, "plan": PLAN}
-
-
-def tool_format(parser: str) -> ToolFormat:
-    """The prompt format matching a parser (hermes for parsers without their own)."""
-    return FORMATS.get(parser, HERMES)
+        if parser not in BUILTIN_PARSERS:
+            raise UnknownParserError(parser, BUILTIN_PARSERS)
+        parser = BUILTIN_PARSERS[parser]
+    return check_format(getattr(parser, "format", None), repr(getattr(parser, "__qualname__", parser)))
 
 
 def _content_text(content: Any) -> str:
@@ -101,69 +52,162 @@ def _content_text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    if not isinstance(content, list):
+        raise ValueError(f"content must be a string or a list of content parts, got {type(content).__name__}")
+    out = []
+    for part in content:
+        if not isinstance(part, dict):
+            raise ValueError(f"content parts must be objects, got {type(part).__name__}")
+        if part.get("type") == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string `text`")
+            out.append(part["text"])
+    return "".join(out)
 
 
 def template_supports_tools(chat_template: Optional[str]) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
-def render_messages(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict[str, Any]],
-                    fmt: ToolFormat) -> str:
-    """The prompt text (chat template applied, generation prompt added)."""
-    functions = [t["function"] for t in tools]
+# ------------------------------------------------------------------ untrusted strings
+def _check_plain(tokenizer: Any, text: Any, what: str) -> None:
+    """Refuse special-token text in a string rendered without a placeholder (names, ids, schema keys)."""
+    if not isinstance(text, str):
+        return
+    for tok in getattr(tokenizer, "special_tokens", {}) or {}:
+        if tok in text:
+            raise ValueError(f"{what} contains the special token {tok!r}")
+
+
+def _mark_leaves(tokenizer: Any, value: Any, mark: Mark, what: str, skip_keys: Sequence[str] = ()) -> Any:
+    """``value`` with every string leaf passed through ``mark`` (keys are checked, not marked:
+    templates look them up; values of ``skip_keys`` likewise, e.g. a schema's ``type``)."""
+    if isinstance(value, str):
+        return mark(value)
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            _check_plain(tokenizer, k, f"{what}: key")
+            if k in skip_keys:
+                _check_plain(tokenizer, v if isinstance(v, str) else json.dumps(v), f"{what}: {k!r}")
+                out[k] = v
+            else:
+                out[k] = _mark_leaves(tokenizer, v, mark, what, skip_keys)
+        return out
+    if isinstance(value, list):
+        return [_mark_leaves(tokenizer, v, mark, what, skip_keys) for v in value]
+    return value
+
+
+def _arguments(call: Dict[str, Any]) -> Tuple[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError("an assistant tool call needs function.name and function.arguments")
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError as e:
+            raise ValueError(f"tool call {fn['name']!r}: arguments are not valid JSON: {e}") from None
+    return fn["name"], args if args is not None else {}
+
+
+# ------------------------------------------------------------------------ rendering
+def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict[str, Any]], fmt: ToolFormat,
+                mark: Mark = lambda s: s) -> str:
+    """The prompt text (chat template applied, generation prompt added), every
+    untrusted string passed through ``mark``.  :func:`render_messages` is what
+    serving uses; this is its text, for logs and tests."""
+    for t in tools:
+        if not isinstance(t, dict) or not isinstance(t.get("function"), dict):
+            raise ValueError("each tool needs a `function` object")
+        _check_plain(tokenizer, t["function"].get("name"), "tools: function name")
+    functions = [_mark_leaves(tokenizer, t["function"], mark, "tools", skip_keys=("type", "name", "required"))
+                 for t in tools]
     if template_supports_tools(tokenizer.chat_template):
         msgs = []
         for m in messages:
             m = dict(m)
-            m["content"] = _content_text(m.get("content"))
+            m["content"] = mark(_content_text(m.get("content")))
+            for key in ("name", "tool_call_id"):
+                _check_plain(tokenizer, m.get(key), f"messages: {key}")
             if m.get("tool_calls"):
-                m["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
-                    "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
-                    for c in m["tool_calls"]]
+                calls = []
+                for c in m["tool_calls"]:
+                    name, args = _arguments(c)
+                    _check_plain(tokenizer, name, "tool call name")
+                    _check_plain(tokenizer, c.get("id"), "tool call id")
+                    calls.append({"type": "function", "id": c.get("id"), "function": {
+                        "name": name, "arguments": _mark_leaves(tokenizer, args, mark, "tool call arguments")}})
+                m["tool_calls"] = calls
             msgs.append(m)
-        return tokenizer.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True)
+        shown = [{**t, "function": f} for t, f in zip(tools, functions)]
+        return tokenizer.apply_chat_template(msgs, tools=shown or None, add_generation_prompt=True)
 
-    out: List[Dict[str, str]] = []
-    system = [_content_text(m.get("content")) for m in messages[:1] if m["role"] in ("system", "developer")]
+    out: List[Dict[str, Any]] = []
+    system = [mark(_content_text(m.get("content"))) for m in messages[:1] if m["role"] in ("system", "developer")]
     rest = messages[len(system):]
     if functions:
-        tools_json = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False)
-                               for f in functions)
-        system.append(fmt.instructions.format(tools=tools_json))
+        system.append(fmt.instructions(functions))
     if system:
         out.append({"role": "system", "content": "\n\n".join(s for s in system if s)})
+    results: List[str] = []  # consecutive tool results go in one user turn
+
+    def flush_results() -> None:
+        if results:
+            render = getattr(fmt, "render_results", None)
+            text = render(results) if render else "\n".join(fmt.render_result(r) for r in results)
+            out.append({"role": "user", "content": text})
+            results.clear()
+
     for m in rest:
-        role = m["role"]
+        role = m.get("role")
+        if role == "tool":
+            results.append(mark(_content_text(m.get("content"))))
+            continue
+        flush_results()
         if role in ("system", "developer"):
-            out.append({"role": "system", "content": _content_text(m.get("content"))})
+            out.append({"role": "system", "content": mark(_content_text(m.get("content")))})
         elif role == "assistant":
-            parts = [_content_text(m.get("content"))] if m.get("content") else []
+            parts = [mark(_content_text(m.get("content")))] if m.get("content") else []
+            calls = []
             for c in m.get("tool_calls") or []:
-                parts.append(fmt.render_call(c["function"]["name"], json.loads(c["function"]["arguments"])))
+                name, args = _arguments(c)
+                _check_plain(tokenizer, name, "tool call name")
+                calls.append((name, _mark_leaves(tokenizer, args, mark, "tool call arguments")))
+            if calls:
+                render_calls = getattr(fmt, "render_calls", None)
+                parts.append(render_calls(calls) if render_calls else
+                             "\n".join(fmt.render_call(n, a) for n, a in calls))
             out.append({"role": "assistant", "content": "\n".join(parts)})
-        elif role == "tool":
-            block = fmt.render_result(_content_text(m.get("content")))
-            if out and out[-1]["role"] == "user" and out[-1].get("_tool"):
-                out[-1]["content"] += "\n" + block  # consecutive results go in one turn
-            else:
-                out.append({"role": "user", "content": block, "_tool": True})
         else:
-            out.append({"role": "user", "content": _content_text(m.get("content"))})
-    for m in out:
-        m.pop("_tool", None)
+            out.append({"role": "user", "content": mark(_content_text(m.get("content")))})
+    flush_results()
     return tokenizer.apply_chat_template(out, add_generation_prompt=True)
 
 
-def tool_results_turn(tokenizer: Any, fmt: ToolFormat, results: List[str]) -> str:
-    """Text appended to a paused context after server-side tool calls: close
-    the assistant turn, a user turn holding the results, open a new assistant
-    turn.  Derived from the chat template itself, so it matches the model's
-    turn markers."""
+def render_messages(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict[str, Any]],
+                    fmt: ToolFormat) -> List[int]:
+    """The prompt's token ids; client-written strings are tokenized as plain text."""
+    return tokenizer.encode_rendered(lambda mark: render_text(tokenizer, messages, tools, fmt, mark))
+
+
+def _results_turn_text(tokenizer: Any, fmt: ToolFormat, results: Sequence[str], mark: Mark) -> str:
     marker = "\x00CALL\x00"
+    contents = [mark(r) for r in results]
+    render = getattr(fmt, "render_results", None)
+    block = render(contents) if render else "\n".join(fmt.render_result(r) for r in contents)
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
-    with_results = base + [{"role": "user", "content": "\n".join(fmt.render_result(r) for r in results)}]
+    with_results = base + [{"role": "user", "content": block}]
     a = tokenizer.apply_chat_template(base, add_generation_prompt=False)
     b = tokenizer.apply_chat_template(with_results, add_generation_prompt=True)
     end_of_call = a[a.index(marker) + len(marker):]
     return end_of_call + b[len(a):] if b.startswith(a) else b[b.index(marker) + len(marker):]
+
+
+def tool_results_turn(tokenizer: Any, fmt: ToolFormat, results: List[str]) -> List[int]:
+    """Token ids appended to a paused context after server-side tool calls:
+    close the assistant turn, a user turn holding the results (as plain text),
+    open a new assistant turn.  Derived from the chat template itself, so it
+    matches the model's turn markers."""
+    return tokenizer.encode_rendered(lambda mark: _results_turn_text(tokenizer, fmt, results, mark))

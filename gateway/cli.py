@@ -9,12 +9,25 @@ import sys
 from typing import List, Optional
 
 
+class UserError(Exception):
+    """A mistake the user can fix (a path, a config): printed as one line, no traceback."""
+
+
+def fail(message: str, code: int = 2) -> int:
+    print(f"interlace: error: {message}", file=sys.stderr)
+    return code
+
+
 def _load_engine(args: argparse.Namespace):
     from interlace.engine_ext.embedded import embedded_model_dir
+    from interlace.engine_ext.errors import EngineError
     from interlace.engine_ext.native.engine import NativeEngine
 
-    path = args.model or embedded_model_dir()
-    return NativeEngine.load(path, dtype=args.dtype, device=args.device)
+    try:
+        path = args.model or embedded_model_dir()
+        return NativeEngine.load(path, dtype=args.dtype, device=args.device)
+    except (OSError, ValueError, EngineError) as e:  # missing path, unsupported model, bad dtype/device
+        raise UserError(f"cannot load the model {args.model or '(embedded)'}: {e}") from e
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -25,8 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     except EngineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     engine = _load_engine(args)
     tok = engine.tokenizer
     if args.raw or tok is None or not tok.chat_template:
@@ -60,8 +72,30 @@ def _config(args: argparse.Namespace):
             return load_config(args.config)
         return parse_config({"models": {"smollm2": {"path": "embedded"}}}, "<built-in default>")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+        raise UserError(str(e)) from e
+
+
+def check_serve_config(cfg) -> None:
+    """What can be checked before the server starts, so that a mistake is one clear line
+    instead of a start-up traceback: plugins load and accept their settings, every
+    model's parser exists, every model path exists."""
+    from pathlib import Path
+
+    from interlace.gateway.plugin_host import BUILTIN_PLUGINS, PluginHost, PluginLoadError
+
+    try:
+        host = PluginHost(cfg.tools, entrypoints=cfg.plugin_entrypoints,
+                          builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules))
+        host.tools()
+        parsers = host.parsers()
+    except (PluginLoadError, ImportError) as e:
+        raise UserError(f"{cfg.source}: plugins: {_plugin_error(e)}") from e
+    for spec in cfg.models.values():
+        if spec.parser not in parsers:
+            raise UserError(f"{cfg.source}: models.{spec.name}.parser: unknown parser {spec.parser!r} "
+                            f"(installed: {', '.join(sorted(parsers))})")
+        if spec.path != "embedded" and not Path(spec.path).exists():
+            raise UserError(f"{cfg.source}: models.{spec.name}.path: {spec.path!r} does not exist")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -70,7 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from interlace.gateway.app import create_app
 
     cfg = _config(args)
+    check_serve_config(cfg)
     host, port = args.host or cfg.host, args.port if args.port is not None else cfg.port
+    cfg.host, cfg.port = host, port  # so the start-up warnings name the real address
     app = create_app(cfg)
     uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
@@ -79,10 +115,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_plugins(args: argparse.Namespace) -> int:
     import json
 
-    from interlace.gateway.plugin_host import list_plugins
+    from interlace.gateway.plugin_host import BUILTIN_PLUGINS, PluginLoadError, list_plugins
 
     cfg = _config(args)
-    plugins = list_plugins(cfg.tools)
+    try:
+        plugins = list_plugins(cfg.tools, entrypoints=cfg.plugin_entrypoints,
+                               builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules))
+    except (PluginLoadError, ImportError) as e:
+        raise UserError(f"plugins: {_plugin_error(e)}") from e
     if args.json:
         print(json.dumps(plugins, indent=2))
         return 0
@@ -91,9 +131,21 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for t in p.get("tools", []):
             state = "" if t.get("enabled", True) else "  (disabled: needs settings)"
             print(f"  tool    {t['name']}{state}")
+            for key, value in (t.get("info") or {}).items():
+                print(f"            {key}: {_info_value(value)}")
         for name in p.get("parsers", []):
             print(f"  parser  {name}")
     return 0
+
+
+def _plugin_error(e: Exception) -> str:
+    return f"cannot import a plugin module: {e}" if isinstance(e, ImportError) else str(e)
+
+
+def _info_value(value) -> str:
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -151,7 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        return fail(str(e))
 
 
 if __name__ == "__main__":

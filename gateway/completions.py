@@ -9,11 +9,38 @@ and drives the agent loop inside one engine context (Conveyor + InferCept):
 
     decode -> the parser sees a call start   -> the tool's worker starts
            -> each completed field / line    -> fed to the tool at once
-           -> the call's end marker          -> the engine pauses the context
-           -> the result is appended          -> resume: decoding goes on
+           -> a call-end marker of the format -> the engine pauses the context
+           -> the results are appended        -> resume: decoding goes on
 
 An argument that fails the tool's schema aborts decoding of that call at
 once (the context is paused, the error becomes the call's result).
+
+The tool-call format (markers, prompt rendering) belongs to the model's
+parser (``model.tool_format``): the engine pauses on every marker in its
+``call_end``.
+
+Malformed calls.  A client call is passed on only once it is known to be well
+formed: its name is one of the offered tools and its arguments are a JSON
+object with finite numbers.  So client calls are buffered while they decode:
+``CallStart`` and the whole arguments (one ``CallArgs``, canonical JSON) come
+together when the call closes.  Streaming clients see a call's arguments at
+its end rather than token by token; in exchange no client ever receives
+argument fragments it has to take back.  A malformed client call (broken
+JSON, arguments that are not an object, a tool that was not offered) becomes
+``Content``: its raw text when the parser has it, else the call as the format
+renders it.  A malformed *server-side* call becomes an error result that the
+model sees (for an unknown tool, the error names the offered tools).
+
+Numbering.  Client calls are numbered from 0 in the order they are passed on,
+server calls separately from 0 (``CallStart.server`` / ``CallArgs.server`` say
+which numbering an index belongs to).
+
+Limits.  Server-side calls decoded after ``max_tool_rounds`` rounds are not
+run: each gets an error result and the completion ends with
+``finish_reason="length"`` (a limit cut the answer short; never ``"tool_calls"``
+without calls).  Tool results that do not fit the context left (keeping a small
+reserve for the answer) are truncated with a visible marker; the result record
+says so in ``truncated``.
 """
 
 from __future__ import annotations
@@ -25,16 +52,20 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from ..engine_ext.errors import EngineError
 from ..engine_ext.protocol import PauseHint, SamplingParams
 from ..parsers.events import ArgumentsDelta, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd, ToolCallStart
-from .chat import ToolFormat, tool_results_turn
+from .chat import tool_results_turn
 from .tools import InvalidToolArguments, ToolError
 
 
 _REF = re.compile(r"\$\{?(\d+)\}?")
+
+#: Tokens kept free for the model's answer when tool results are appended
+#: (a result that fills the context to the last token leaves nothing to say).
+ANSWER_RESERVE_TOKENS = 64
 
 
 # ------------------------------------------------------------------ events out
@@ -45,7 +76,7 @@ class Content:
 
 @dataclass
 class CallStart:
-    index: int
+    index: int           # client calls and server calls are numbered separately, from 0
     id: str
     name: str
     server: bool = False
@@ -55,6 +86,7 @@ class CallStart:
 class CallArgs:
     index: int
     fragment: str
+    server: bool = False  # which numbering ``index`` belongs to
 
 
 @dataclass
@@ -74,6 +106,8 @@ class ServerToolResult:
     finished_at: float                    # the result was there
     partial_execution: bool
     aborted_early: bool = False
+    #: set when the result was cut to fit the context: {"shown_chars", "total_chars"}
+    truncated: Optional[Dict[str, Any]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)
@@ -106,6 +140,9 @@ class CompletionPlan:
     max_tool_rounds: int = 8
     parallel_tool_calls: bool = True        # False: stop after the first client-side call
     request_info: Dict[str, Any] = field(default_factory=dict)
+    #: every function the request offers (client and server), name -> parameters schema;
+    #: a call to any other name is malformed
+    offered_tools: Dict[str, Any] = field(default_factory=dict)
 
 
 class FirstRoundOnly:
@@ -126,7 +163,7 @@ class FirstRoundOnly:
 
 @dataclass
 class _Call:
-    index: int
+    index: int                                        # server: its number; client: set when passed on
     id: str
     name: str
     server: bool
@@ -139,7 +176,192 @@ class _Call:
     error: Optional[str] = None
     aborted_early: bool = False
     ignored: bool = False          # a plan's join(): ends the plan, runs nothing
+    ended: bool = False            # the parser closed it (ToolCallEnd or ParserError)
+    emitted: bool = False          # a client call passed on to the client
     started_at: float = field(default_factory=time.time)
+
+
+# ---------------------------------------------------------- call checks
+def malformed(name: str, arguments: Any, offered: Dict[str, Any]) -> Optional[str]:
+    """Why a decoded call cannot be passed on or run (None: it is well formed).
+
+    OpenAI function calling requires the arguments to be a JSON object, and
+    clients parse them with a strict JSON parser (no NaN/Infinity)."""
+    if name not in offered:
+        return unknown_tool(name, offered)
+    if not isinstance(arguments, dict):
+        return f"the arguments of {name!r} must be a JSON object, not {_json_type(arguments)}"
+    try:
+        json.dumps(arguments, allow_nan=False)
+    except (ValueError, TypeError) as e:
+        return f"the arguments of {name!r} are not valid JSON: {e}"
+    return None
+
+
+def unknown_tool(name: str, offered: Dict[str, Any]) -> str:
+    return (f"{name!r} is not one of the tools offered: "
+            f"{', '.join(sorted(offered)) or '(none)'}")
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "a boolean", str: "a string", list: "an array", int: "a number",
+            float: "a number"}.get(type(v), type(v).__name__)
+
+
+def _call_text(fmt: Any, name: str, arguments: Any) -> str:
+    """A rejected call shown as content, as the format writes it."""
+    try:
+        return fmt.render_call(name, arguments)
+    except Exception:  # a format that cannot render these arguments (they are malformed, after all)
+        return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False, default=str)
+
+
+class _Turn:
+    """What the parser's events mean for one completion: which calls are the
+    client's, which run here, which are malformed.  ``handle`` maps one parser
+    event to the events the HTTP layer sees."""
+
+    def __init__(self, model: Any, plan: CompletionPlan, runtime: Any):
+        self.fmt = model.tool_format
+        self.plan = plan
+        self.runtime = runtime
+        self.calls: List[_Call] = []       # every call of the completion
+        self.round: List[_Call] = []       # the current parser's calls, by its index
+        self.deferred: List[_Call] = []    # baseline mode: server calls start when the round's decoding ends
+        self.n_client = 0
+        self.n_server = 0
+        self.abort_round = False           # an argument failed early: pause now
+        self.stop_now = False              # parallel_tool_calls=false and a client call was passed on
+
+    # -- parser events -----------------------------------------------------
+    def handle(self, pe: Any) -> List[Any]:
+        if isinstance(pe, Text):
+            return [Content(pe.text)] if pe.text else []
+        if isinstance(pe, ToolCallStart):
+            return self._start(pe)
+        call = self._current(getattr(pe, "index", None))
+        if isinstance(pe, ParserError):
+            if call is None:
+                return [Content(pe.raw)] if pe.raw else []
+            return self._failed(call, f"malformed tool call: {pe.message}", pe.raw)
+        if call is None or call.ignored:
+            return []
+        if isinstance(pe, ArgumentsDelta):
+            # client calls are passed on whole at their end (see the module docstring)
+            return [CallArgs(call.index, pe.fragment, server=True)] if call.server else []
+        if isinstance(pe, (FieldComplete, LineComplete)):
+            self._feed_tool(call, pe)
+            return []
+        if isinstance(pe, ToolCallEnd):
+            return self._end(call, pe.arguments)
+        return []
+
+    def _current(self, parser_index: Optional[int]) -> Optional[_Call]:
+        """The call a parser index refers to (the parser restarts each round)."""
+        if parser_index is None or parser_index >= len(self.round):
+            return None
+        return self.round[parser_index]
+
+    def _start(self, pe: ToolCallStart) -> List[Any]:
+        plan = self.plan
+        if self.fmt.name == "plan" and pe.name == "join":  # end of plan, not a tool
+            self.round.append(_Call(-1, pe.id, pe.name, True, ignored=True, ended=True))
+            return []
+        if pe.name in plan.server_tools or (plan.server_tools and pe.name not in plan.offered_tools):
+            call = _Call(self.n_server, pe.id, pe.name, True, tool=plan.server_tools.get(pe.name))
+            self.n_server += 1
+            if call.tool is None:  # the loop runs here, so the model learns its mistake from the result
+                call.error = unknown_tool(pe.name, plan.offered_tools)
+            self.calls.append(call)
+            self.round.append(call)
+            if call.tool is not None and plan.partial_execution:
+                _start(call, self.runtime, plan, self.calls)  # the tool starts now, decoding goes on
+            return [CallStart(call.index, call.id, call.name, True)]
+        call = _Call(-1, pe.id, pe.name, False)  # a client call: held until it is known to be well formed
+        self.calls.append(call)
+        self.round.append(call)
+        return []
+
+    def _feed_tool(self, call: _Call, pe: Any) -> None:
+        if call.events is None or call.error:
+            return  # client call, baseline mode (nothing early) or already failed
+        if isinstance(pe, FieldComplete):
+            try:
+                if call.tool.validate_early:  # in-process, so a busy worker cannot delay it
+                    call.tool.validate_field(pe.key, pe.value)
+            except InvalidToolArguments as e:
+                # Conveyor's early abort: stop decoding this call now.
+                call.error, call.aborted_early = str(e), True
+                call.events.put_nowait(("abandon",))
+                self.abort_round = True
+                return
+            call.events.put_nowait(("field", pe.key, pe.value))
+        else:
+            call.events.put_nowait(("line", pe.line))
+
+    def _end(self, call: _Call, arguments: Any) -> List[Any]:
+        call.ended = True
+        plan = self.plan
+        if (not call.server and self.fmt.name == "plan" and isinstance(arguments, dict) and "args" in arguments
+                and call.name in plan.offered_tools):
+            # a plan step for a client tool: positional arguments -> the tool's named parameters
+            arguments = _plan_arguments(plan.offered_tools.get(call.name), arguments, {})
+        call.arguments = arguments
+        if call.server:
+            if call.error:
+                return []
+            problem = malformed(call.name, arguments, plan.offered_tools)
+            if problem:
+                call.error = problem
+                if call.events is not None:
+                    call.events.put_nowait(("abandon",))
+            elif plan.partial_execution:
+                call.events.put_nowait(("finish",))
+            else:  # baseline: tools start only once decoding of the round is over
+                self.deferred.append(call)
+            return []
+        problem = malformed(call.name, arguments, plan.offered_tools)
+        if problem:
+            call.error = problem
+            return [Content(_call_text(self.fmt, call.name, arguments))]
+        call.index, call.emitted = self.n_client, True
+        self.n_client += 1
+        if not plan.parallel_tool_calls:
+            self.stop_now = True  # one client call asked for: stop decoding here
+        return [CallStart(call.index, call.id, call.name, False),
+                CallArgs(call.index, json.dumps(arguments, ensure_ascii=False))]
+
+    def _failed(self, call: _Call, message: str, raw: str) -> List[Any]:
+        call.ended = True
+        call.error = call.error or message
+        if call.server:
+            if call.events is not None:
+                call.events.put_nowait(("abandon",))
+            return []
+        return [Content(raw)] if raw else []
+
+    # -- round bookkeeping ---------------------------------------------------
+    def start_deferred(self) -> None:
+        for call in self.deferred:
+            _start(call, self.runtime, self.plan, self.calls)
+            call.events.put_nowait(("finish",))
+        self.deferred = []
+
+    def pending(self) -> bool:
+        """A call of this round has started and not closed: the pause marker
+        was not its end (JSON formats' markers also occur inside arguments)."""
+        return any(not c.ended and not c.error for c in self.round)
+
+    def client_calls(self) -> List[_Call]:
+        return [c for c in self.round if c.emitted]
+
+    def server_calls(self) -> List[_Call]:
+        return [c for c in self.round if c.server and not c.ignored]
+
+    def new_round(self) -> None:
+        self.round = []
 
 
 async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
@@ -147,17 +369,15 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
     """Yield Content / CallStart / CallArgs / ServerToolResult / Finish."""
     engine = model.engine
     ctx = f"chat-{uuid.uuid4().hex}"
-    fmt: ToolFormat = model.tool_format
-    server_mode = bool(plan.server_tools)
+    turn = _Turn(model, plan, runtime)
+    fmt = turn.fmt
     sampling = plan.sampling
-    if server_mode:
-        sampling = sampling.replace(pause_on=tuple(sampling.pause_on) + (fmt.call_end,))
+    if plan.server_tools:
+        sampling = sampling.replace(pause_on=tuple(sampling.pause_on) + tuple(fmt.call_end))
     prompt_tokens = len(plan.prompt_ids)
     completion_tokens = 0
-    calls: List[_Call] = []
-    round_calls: List[_Call] = []
     rounds = 0
-    deferred: List[_Call] = []
+    aborting = False  # we paused the context to abort a call early
     finish_reason = "stop"
     parser = model.new_parser() if plan.parse_tools else None
     try:
@@ -172,97 +392,60 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                 events = parser.feed(ev.text) if parser is not None else ([Text(ev.text)] if ev.text else [])
                 if ev.finish_reason is not None and parser is not None:
                     events += parser.finish()
-                abort_round = False
-                stop_now = False
                 for pe in events:
-                    if isinstance(pe, Text):
-                        if pe.text:
-                            yield Content(pe.text)
-                    elif isinstance(pe, ToolCallStart):
-                        if fmt.name == "plan" and pe.name == "join":  # end of plan, not a tool
-                            round_calls.append(_Call(-1, pe.id, pe.name, True, ignored=True))
-                            continue
-                        is_server = pe.name in plan.server_tools
-                        call = _Call(len(calls), pe.id, pe.name, is_server, tool=plan.server_tools.get(pe.name))
-                        calls.append(call)
-                        round_calls.append(call)
-                        yield CallStart(call.index, call.id, call.name, is_server)
-                        if is_server and plan.partial_execution:
-                            _start(call, runtime, plan, calls)  # the tool starts now, decoding goes on
-                    elif isinstance(pe, ArgumentsDelta):
-                        call = _current(calls, pe.index, round_calls)
-                        if call is not None and not call.ignored:
-                            yield CallArgs(call.index, pe.fragment)
-                    elif isinstance(pe, (FieldComplete, LineComplete)):
-                        call = _current(calls, pe.index, round_calls)
-                        if call is None or call.events is None or call.error:
-                            continue  # client call, baseline mode (nothing early) or already failed
-                        if isinstance(pe, FieldComplete):
-                            try:
-                                if call.tool.validate_early:  # in-process, so a busy worker cannot delay it
-                                    call.tool.validate_field(pe.key, pe.value)
-                            except InvalidToolArguments as e:
-                                # Conveyor's early abort: stop decoding this call now.
-                                call.error, call.aborted_early = str(e), True
-                                call.events.put_nowait(("abandon",))
-                                abort_round = True
-                                continue
-                            call.events.put_nowait(("field", pe.key, pe.value))
-                        else:
-                            call.events.put_nowait(("line", pe.line))
-                    elif isinstance(pe, ToolCallEnd):
-                        call = _current(calls, pe.index, round_calls)
-                        if call is None:
-                            continue
-                        call.arguments = pe.arguments
-                        if not call.server and not plan.parallel_tool_calls:
-                            stop_now = True  # one client call asked for: stop decoding here
-                        if call.server and not call.error:
-                            if plan.partial_execution:
-                                call.events.put_nowait(("finish",))
-                            else:  # baseline: tools start only once decoding of the round is over
-                                deferred.append(call)
-                    elif isinstance(pe, ParserError):
-                        if pe.index is None and pe.raw:
-                            yield Content(pe.raw)
-                        elif pe.index is not None:
-                            call = _current(calls, pe.index, round_calls)
-                            if call is not None:
-                                call.error = call.error or f"malformed tool call: {pe.message}"
-                                if call.events is not None:
-                                    call.events.put_nowait(("abandon",))
-                if stop_now and ev.finish_reason is None:
+                    for out in turn.handle(pe):
+                        yield out
+                if turn.stop_now and ev.finish_reason is None:
                     finish_reason = "tool_calls"
                     break
-                if abort_round and not ev.paused and ev.finish_reason is None:
+                if turn.abort_round and not ev.paused and ev.finish_reason is None:
+                    turn.abort_round, aborting = False, True
                     try:
-                        await engine.pause(ctx, PauseHint(tool=round_calls[-1].name))
+                        await engine.pause(ctx, PauseHint(tool=turn.round[-1].name))
                         continue  # the paused event follows on the stream
                     except EngineError:
                         pass  # it paused or finished by itself meanwhile
                 if ev.paused or ev.finish_reason is not None:
-                    for call in deferred:
-                        _start(call, runtime, plan, calls)
-                        call.events.put_nowait(("finish",))
-                    deferred = []
-                    round_calls = [c for c in round_calls if not c.ignored]
+                    turn.start_deferred()
                 if ev.paused:
-                    client_calls = [c for c in round_calls if not c.server]
-                    if client_calls or not round_calls or rounds >= plan.max_tool_rounds:
-                        finish_reason = "tool_calls" if client_calls or round_calls else "stop"
+                    # an early abort pauses inside the call on purpose: the parser is still in it
+                    spurious = not (aborting or turn.abort_round) and (turn.pending()
+                                                                      or getattr(parser, "in_call", False))
+                    turn.abort_round = aborting = False
+                    if turn.client_calls():
+                        finish_reason = "tool_calls"
+                        break
+                    server = turn.server_calls()
+                    if spurious or not server:
+                        # a marker inside a call, in prose, or after a call that became content:
+                        # nothing to run, decoding goes on
+                        await engine.resume(ctx, [])
+                        continue
+                    if rounds >= plan.max_tool_rounds:
+                        for call in server:
+                            yield _not_run(call, f"not run: this request's max_tool_rounds "
+                                                 f"({plan.max_tool_rounds}) was reached")
+                        finish_reason = "length"
                         break
                     rounds += 1
-                    results = []
-                    for call in round_calls:
-                        res = await _result(call, metrics)
-                        yield res
+                    results = [await _result(call, metrics) for call in server]
+                    texts = []
+                    for call, res in zip(server, results):
                         text = _result_text(res)
                         if fmt.name == "plan" and isinstance(call.arguments, dict):
                             text = f"${call.arguments.get('step')} = {text}"
-                        results.append(text)
-                    appended = model.tokenizer.encode(tool_results_turn(model.tokenizer, fmt, results))
+                        texts.append(text)
+                    room = (model.max_model_len - (prompt_tokens + completion_tokens) - 1
+                            - min(ANSWER_RESERVE_TOKENS, max(0, sampling.max_tokens - completion_tokens)))
+                    appended, cuts = fit_results(model.tokenizer, fmt, texts, room)
+                    for res, cut in zip(results, cuts):
+                        res.truncated = cut
+                        yield res
+                    if appended is None:  # not even the results' envelope fits: the context is full
+                        finish_reason = "length"
+                        break
                     prompt_tokens += len(appended)
-                    round_calls = []
+                    turn.new_round()
                     parser = model.new_parser()
                     for proc in sampling.logits_processors:  # e.g. forced replay moves to its next piece
                         if hasattr(proc, "on_resume"):
@@ -271,23 +454,65 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                     continue
                 if ev.finish_reason is not None:
                     finish_reason = ev.finish_reason
-                    if any(not c.server for c in calls) and finish_reason == "stop":
+                    if turn.n_client and finish_reason == "stop":
                         finish_reason = "tool_calls"
-                    elif round_calls and all(c.server for c in round_calls):
-                        for call in round_calls:  # calls that ended with the stream (no pause marker)
+                    server = turn.server_calls()
+                    if server and not turn.client_calls():
+                        for call in server:  # calls that ended with the stream (no pause marker)
                             yield await _result(call, metrics)
         yield Finish(finish_reason, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                      "total_tokens": prompt_tokens + completion_tokens})
     finally:
         # Runs on success, error and client disconnect alike.  Nothing here
         # awaits: a cancelled request's cleanup must not be cancelled too.
-        for call in calls:
+        for call in turn.calls:
             if call.task is not None and not call.task.done():
                 if call.finishing:
                     call.task.cancel()  # a running tool: the runtime kills and replaces its worker
                 else:
                     call.events.put_nowait(("abandon",))  # the driver cancels the call and returns
         engine.free_context_nowait(ctx)
+
+
+def fit_results(tokenizer: Any, fmt: Any, texts: List[str],
+                room: int) -> Tuple[Optional[List[int]], List[Optional[Dict[str, Any]]]]:
+    """The tokens appending ``texts`` as tool results, within ``room`` tokens.
+
+    Results that do not fit are cut to a common length with a visible marker
+    (the longest ones lose the most), found by bisection on that length.
+    Returns the tokens (None when not even empty results fit) and, per
+    result, None or ``{"shown_chars", "total_chars"}``."""
+    def render(limit: Optional[int]) -> List[int]:
+        return tool_results_turn(tokenizer, fmt, _cut(texts, limit))
+
+    ids = render(None)
+    if len(ids) <= room:
+        return ids, [None] * len(texts)
+    lo, hi = 0, max(len(t) for t in texts)
+    if len(render(0)) > room:
+        return None, [{"shown_chars": 0, "total_chars": len(t)} for t in texts]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(render(mid)) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return render(lo), [{"shown_chars": lo, "total_chars": len(t)} if len(t) > lo else None for t in texts]
+
+
+def _cut(texts: List[str], limit: Optional[int]) -> List[str]:
+    if limit is None:
+        return texts
+    return [t if len(t) <= limit else
+            f"{t[:limit]}\n[... truncated by the gateway: {len(t) - limit} of {len(t)} characters "
+            f"omitted to fit the context]" for t in texts]
+
+
+def _not_run(call: _Call, why: str) -> ServerToolResult:
+    now = time.time()
+    return ServerToolResult(call.index, call.id, call.name, call.arguments, False, None, call.error or why,
+                            call.started_at, None, None, now, call.runtime_call is not None
+                            and bool(call.runtime_call.partial), call.aborted_early)
 
 
 def _start(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_Call]) -> None:
@@ -337,7 +562,7 @@ async def _execute(call: _Call, calls: List[_Call]) -> Any:
                 call.error = f"step ${n} has no result"
                 return None
             values[n] = _reference_value(res)
-        args = _plan_arguments(call.tool, args, values)
+        args = _plan_arguments(call.tool.parameters, args, values)
     return await call.runtime_call.finish(args)
 
 
@@ -355,9 +580,11 @@ def _reference_value(res: Any) -> str:
     return json.dumps(c, ensure_ascii=False)
 
 
-def _plan_arguments(tool: Any, step: Dict[str, Any], values: Dict[int, str]) -> Dict[str, Any]:
-    """Positional plan arguments -> the tool's named parameters (schema
-    order), with ``$N`` references replaced by earlier results."""
+def _plan_arguments(parameters: Optional[Dict[str, Any]], step: Dict[str, Any],
+                    values: Dict[int, str]) -> Dict[str, Any]:
+    """Positional plan arguments -> the tool's named parameters (the order of
+    its ``parameters`` schema), with ``$N`` references replaced by earlier
+    results (references without a value stay as written)."""
     def sub(v: Any) -> Any:
         if isinstance(v, str):
             whole = _REF.fullmatch(v)
@@ -369,17 +596,10 @@ def _plan_arguments(tool: Any, step: Dict[str, Any], values: Dict[int, str]) -> 
         if isinstance(v, dict):
             return {k: sub(x) for k, x in v.items()}
         return v
-    names = list((tool.parameters or {}).get("properties", {}))
+    names = list((parameters or {}).get("properties", {}))
     out = {names[i]: sub(v) for i, v in enumerate(step.get("args", [])) if i < len(names)}
     out.update({k: sub(v) for k, v in (step.get("kwargs") or {}).items()})
     return out
-
-
-def _current(calls: List[_Call], parser_index: Optional[int], round_calls: List[_Call]) -> Optional[_Call]:
-    """Map a parser's per-stream call index to our call (the parser restarts each round)."""
-    if parser_index is None or parser_index >= len(round_calls):
-        return None
-    return round_calls[parser_index]
 
 
 async def _result(call: _Call, metrics: Any) -> ServerToolResult:

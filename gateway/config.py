@@ -16,12 +16,16 @@ import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Union
 
 import jsonschema
 import yaml
 
 ENV_PREFIX = "os.environ/"
+
+#: Which server-side tools a caller may use: none (false), all enabled ones (true) or those named.
+SERVER_TOOLS_SCHEMA = {"oneOf": [{"type": "boolean"},
+                                 {"type": "array", "items": {"type": "string", "minLength": 1}}]}
 
 MODEL_SCHEMA = {
     "type": "object",
@@ -53,7 +57,22 @@ SCHEMA = {
             "properties": {
                 "host": {"type": "string"},
                 "port": {"type": "integer", "minimum": 0, "maximum": 65535},
-                "api_keys": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                "api_keys": {"type": "array", "items": {"oneOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "object", "additionalProperties": False, "required": ["key"],
+                     "properties": {"key": {"type": "string", "minLength": 1},
+                                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_.:@-]{1,64}$"},
+                                    "server_tools": SERVER_TOOLS_SCHEMA,
+                                    "replay": {"type": "boolean"}}},
+                ]}},
+                "server_tools": SERVER_TOOLS_SCHEMA,
+                "replay": {"type": "boolean",
+                           "description": "may callers force the model's output (interlace.replay)? "
+                                          "For benchmarks and tests"},
+                "cors_origins": {"type": "array", "items": {"type": "string", "minLength": 1},
+                                 "description": "browser origins allowed to call the API ('*' = any)"},
+                "default_max_tokens": {"type": "integer", "minimum": 1,
+                                       "description": "max_tokens of a request that does not say"},
                 "max_request_bytes": {"type": "integer", "minimum": 1024},
                 "max_tool_rounds": {"type": "integer", "minimum": 1, "maximum": 64},
             },
@@ -76,7 +95,8 @@ SCHEMA = {
 }
 
 DEFAULTS = {
-    "server": {"host": "127.0.0.1", "port": 8000, "api_keys": [], "max_request_bytes": 4 * 1024 * 1024,
+    "server": {"host": "127.0.0.1", "port": 8000, "api_keys": [], "server_tools": False, "replay": False,
+               "cors_origins": [], "default_max_tokens": 1024, "max_request_bytes": 4 * 1024 * 1024,
                "max_tool_rounds": 8},
     "plugins": {"entrypoints": True, "modules": []},
     "tools": {},
@@ -98,17 +118,42 @@ class ModelSpec:
     engine_args: Dict[str, Any]
 
 
+#: A caller's server-tool permission: False (none), True (every enabled tool) or the tool names allowed.
+ServerTools = Union[bool, List[str]]
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One client's key, the name it is known by (logs, tool policy hooks) and its permissions."""
+
+    key: str
+    name: str
+    server_tools: ServerTools = False
+    replay: bool = False
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"ApiKey(name={self.name!r}, server_tools={self.server_tools!r}, replay={self.replay!r})"
+
+
+def may_use_tool(permission: ServerTools, tool: str) -> bool:
+    return permission is True or (isinstance(permission, list) and tool in permission)
+
+
 @dataclass
 class GatewayConfig:
     host: str
     port: int
-    api_keys: List[str]
+    api_keys: List[ApiKey]
     max_request_bytes: int
     max_tool_rounds: int
     models: Dict[str, ModelSpec]
     plugin_entrypoints: bool
     plugin_modules: List[str]
     tools: Dict[str, Dict[str, Any]]
+    server_tools: ServerTools = False
+    replay: bool = False
+    cors_origins: List[str] = field(default_factory=list)
+    default_max_tokens: int = 1024
     source: str = "<dict>"
     raw: Dict[str, Any] = field(default_factory=dict)
 
@@ -133,6 +178,24 @@ def _key_path(err: jsonschema.ValidationError) -> str:
     return out or "(top level)"
 
 
+def _api_keys(server: Dict[str, Any], source: str) -> List[ApiKey]:
+    """Strings and objects to :class:`ApiKey`; a key's permissions default to the server's own.
+    A plain string key is named ``key<i>`` (its index), so logs never show the secret."""
+    out: List[ApiKey] = []
+    for i, k in enumerate(server["api_keys"]):
+        k = {"key": k} if isinstance(k, str) else k
+        out.append(ApiKey(key=k["key"], name=k.get("name", f"key{i}"),
+                          server_tools=k.get("server_tools", server["server_tools"]),
+                          replay=k.get("replay", server["replay"])))
+    for what in ("key", "name"):
+        seen = [getattr(k, what) for k in out]
+        dup = next((i for i, v in enumerate(seen) if v in seen[:i]), None)
+        if dup is not None:
+            raise ConfigError(f"{source}: server.api_keys[{dup}]: duplicate {what}"
+                              + (f" {seen[dup]!r}" if what == "name" else ""))
+    return out
+
+
 def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
     if data is None:
         data = {}
@@ -150,7 +213,10 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
         m = {**MODEL_DEFAULTS, **m}
         engine_args = {k: v for k, v in m.items() if k not in ("engine", "path", "parser")}
         models[name] = ModelSpec(name, m["engine"], m["path"], m["parser"], engine_args)
-    return GatewayConfig(host=server["host"], port=server["port"], api_keys=list(server["api_keys"]),
+    return GatewayConfig(host=server["host"], port=server["port"], api_keys=_api_keys(server, source),
+                         server_tools=server["server_tools"], replay=server["replay"],
+                         cors_origins=list(server["cors_origins"]),
+                         default_max_tokens=server["default_max_tokens"],
                          max_request_bytes=server["max_request_bytes"], max_tool_rounds=server["max_tool_rounds"],
                          models=models, plugin_entrypoints=plugins["entrypoints"],
                          plugin_modules=list(plugins["modules"]), tools=dict(data.get("tools") or {}),

@@ -18,6 +18,12 @@ Usage (the HTTP layer)::
         ...  # answer 400 with str(e)
     sampling = SamplingParams(..., logits_processors=[gc.processor(grammar)])  # fresh per request
 
+Tool-call grammars are defined by the formats themselves (a parser's
+``format.grammar(compiler, tools, force, parallel)``, see
+:mod:`interlace.parsers.formats`); this module only provides the building
+blocks they use (:meth:`GrammarCompiler.envelope`, :meth:`~GrammarCompiler.json_rule`,
+:meth:`~GrammarCompiler.marker`).
+
 JSON is generated compactly with ``json.dumps``-style separators (``", "`` and
 ``": "``) and no other whitespace: small models given free whitespace tend to
 loop on newlines and indentation until ``max_tokens``, and the output is the
@@ -44,8 +50,7 @@ try:
 except ImportError:  # pragma: no cover - llguidance is a dependency of constrained decoding only
     llg = None  # type: ignore[assignment]
 
-__all__ = ["GrammarError", "ConstraintViolation", "Grammar", "GrammarCompiler", "GrammarProcessor",
-           "TOOL_CALL_FORMATS"]
+__all__ = ["GrammarError", "ConstraintViolation", "Grammar", "GrammarCompiler", "GrammarProcessor"]
 
 
 class GrammarError(ValueError):
@@ -65,6 +70,9 @@ class ConstraintViolation(RuntimeError):
 #: options): ``json.dumps`` separators, no free whitespace -- see the module doc.
 JSON_OPTIONS: Dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+#: grammars whose output is one JSON document: their processors refuse repeated keys (KeyGuard)
+_JSON_KINDS = frozenset(("json_schema", "json_object"))
+
 _NO_PARAMETERS: Dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -82,29 +90,8 @@ class Grammar:
     spec: str
     kind: str
     _matcher: Any = field(default=None, repr=False, compare=False)
-
-
-# ============================================================ tool-call formats
-@dataclass(frozen=True)
-class ToolCallFormat:
-    """How constrained tool calls are laid out, as Lark fragments.
-
-    ``call(name_lit, args_rule)`` returns the Lark expression for one call of
-    a function (``name_lit`` is the JSON-encoded name as a Lark string
-    literal, ``args_rule`` the rule matching its arguments); the calls are
-    wrapped as ``open call (sep call)* close`` (or ``open call close`` when
-    parallel calls are off).  ``open``/``close``/``sep`` are Lark
-    expressions too, built by the compiler so that markers which are special
-    tokens in a model's vocabulary are matched as those tokens.
-    """
-
-    name: str
-    call: Callable[[str, str], str]
-    open: str = '""'
-    sep: str = '""'
-    close: str = '""'
-    #: markers that may be special tokens: Lark placeholder -> text
-    markers: Mapping[str, str] = field(default_factory=dict)
+    #: the output is JSON whose objects must not repeat a key (a grammar cannot say so; see KeyGuard)
+    unique_keys: bool = False
 
 
 def _lit(text: str) -> str:
@@ -112,26 +99,20 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-#: Supported ``fmt`` values of :meth:`GrammarCompiler.tool_calls`, named like
-#: the tool-call parsers (``interlace.parsers``) that read them back.
-TOOL_CALL_FORMATS: Dict[str, ToolCallFormat] = {
-    # <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, calls separated by a newline
-    "hermes": ToolCallFormat(
-        name="hermes",
-        call=lambda n, a: f'"<tool_call>\\n{{\\"name\\": " {n} ", \\"arguments\\": " {a} "}}\\n</tool_call>"',
-        sep=_lit("\n")),
-    # [TOOL_CALLS][{"name": "f", "arguments": {...}}, {...}]
-    "mistral": ToolCallFormat(
-        name="mistral",
-        call=lambda n, a: f'"{{\\"name\\": " {n} ", \\"arguments\\": " {a} "}}"',
-        open='@TOOL_CALLS "["', sep=_lit(", "), close='"]"',
-        markers={"@TOOL_CALLS": "[TOOL_CALLS]"}),
-    # {"name": "f", "parameters": {...}}; {...}   (Llama 3.1+ JSON tool calling)
-    "llama3_json": ToolCallFormat(
-        name="llama3_json",
-        call=lambda n, a: f'"{{\\"name\\": " {n} ", \\"parameters\\": " {a} "}}"',
-        sep=_lit("; ")),
-}
+def _tool_format(fmt: Any) -> Any:
+    """A format object for ``fmt``: a format (contract 4) as is, or a built-in parser's name.
+
+    The formats live on the parsers (``interlace.parsers.formats``); this is
+    only a lookup, so there is one definition of each format.
+    """
+    if not isinstance(fmt, str):
+        return fmt
+    from ..parsers.builtin import BUILTIN_PARSERS
+
+    factory = BUILTIN_PARSERS.get(fmt)
+    if factory is None:
+        raise GrammarError(f"unknown tool-call format {fmt!r} (built-in: {', '.join(BUILTIN_PARSERS)})")
+    return factory.format  # type: ignore[attr-defined]
 
 
 # ==================================================================== compiler
@@ -165,6 +146,7 @@ class GrammarCompiler:
         self._cache: "OrderedDict[str, Grammar]" = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._tokens: Optional[_TokenTable] = None
 
     # ----------------------------------------------------------------- grammars
     def json_schema(self, schema: Any) -> Grammar:
@@ -179,27 +161,39 @@ class GrammarCompiler:
         return self.compile(llg.LLMatcher.grammar_from_json_schema(self._with_options(schema)), "json_schema")
 
     def json_object(self) -> Grammar:
-        """Output must be one JSON object (``response_format: {"type": "json_object"}``)."""
-        return self.compile(llg.LLMatcher.grammar_from_json_schema(self._with_options({"type": "object"})),
-                            "json_object")
+        """Output must be one JSON object (``response_format: {"type": "json_object"}``), then EOS.
+
+        ``{"type": "object"}`` alone does not make a small model finish: it
+        repeats keys (``{", ": 3, ": 3, ...``) until ``max_tokens``.  So the
+        object is bounded (:func:`json_object_lark`: nesting depth, members
+        per object, items per array, string and key length, sane first key
+        character) and its processor masks any token that would repeat a key
+        of the same object (:class:`KeyGuard`).  Unique keys leave a model
+        that loops nothing to loop on, and the bounds make every output
+        finite: the object closes and only EOS may follow.
+        """
+        return self.compile(llg.LLMatcher.grammar_from_lark(json_object_lark()), "json_object")
 
     def tool_calls(self, tools: Sequence[Mapping[str, Any]], *, force: Optional[str] = None,
-                   parallel: bool = True, fmt: str = "hermes") -> Grammar:
+                   parallel: bool = True, fmt: Any = "hermes") -> Grammar:
         """Output must be tool calls and nothing else, then EOS.
 
         For ``tool_choice="required"`` (``force=None``) each call may name any
         of ``tools``; for ``tool_choice={"type": "function", "function":
         {"name": N}}`` (``force=N``) only ``N``.  With ``parallel``
-        (``parallel_tool_calls``, default true) one or more calls, else exactly
-        one.  Each call's arguments match its function's ``parameters``
-        schema.  ``tools`` are OpenAI tool objects (``{"type": "function",
-        "function": {...}}``; bare function objects are accepted too).
-        ``fmt`` is one of :data:`TOOL_CALL_FORMATS`.
+        (``parallel_tool_calls``) one or more calls, else exactly one.  Each
+        call's arguments match its function's ``parameters`` schema.
+        ``tools`` are OpenAI tool objects (bare function objects are accepted
+        too).  ``fmt`` is the tool-call format (a parser's ``format``, or a
+        built-in parser's name): the format builds its grammar with the
+        helpers below (:meth:`envelope`, :meth:`functions`, :meth:`json_rule`).
         """
-        fmt_spec = TOOL_CALL_FORMATS.get(fmt)
-        if fmt_spec is None:
-            raise GrammarError(f"tool_choice cannot be enforced for the {fmt!r} tool-call format "
-                               f"(supported: {', '.join(TOOL_CALL_FORMATS)})")
+        return _tool_format(fmt).grammar(self, list(tools) if isinstance(tools, (list, tuple)) else tools,
+                                         force, parallel)
+
+    # ------------------------------------------------- helpers for formats' grammars
+    def functions(self, tools: Sequence[Mapping[str, Any]], force: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+        """``{name: parameters schema}`` of the function tools (only ``force`` when given), validated."""
         functions = self._functions(tools)
         if force is not None:
             if force not in functions:
@@ -207,17 +201,49 @@ class GrammarCompiler:
             functions = {force: functions[force]}
         if not functions:
             raise GrammarError("tool_choice needs at least one function tool")
+        return functions
+
+    def json_rule(self, schema: Mapping[str, Any]) -> str:
+        """The Lark right-hand side matching JSON valid against ``schema``, laid out as :data:`JSON_OPTIONS`."""
+        return f"%json {json.dumps(self._with_options(schema), ensure_ascii=False)}"
+
+    @staticmethod
+    def literal(text: str) -> str:
+        """A Lark string literal for ``text``."""
+        return _lit(text)
+
+    def marker(self, text: str) -> str:
+        """A Lark expression for a format marker: the special token itself
+        when the vocabulary has it as one (models emit ``[TOOL_CALLS]`` as a
+        single special token, which a text literal would never match), else
+        the text."""
+        tid = self.tokenizer.tok.token_to_id(text)
+        if tid is not None and self.ll_tokenizer.is_special_token(tid):
+            return f"<[{tid}]>"
+        return _lit(text)
+
+    def envelope(self, tools: Sequence[Mapping[str, Any]], *, force: Optional[str], parallel: bool,
+                 call: Callable[[str, str], str], open: str = '""', sep: str = '""', close: str = '""') -> Grammar:
+        """Calls laid out as ``open call (sep call)* close`` (``open call close`` without ``parallel``).
+
+        ``call(name_lit, args_rule)`` returns the Lark expression of one call
+        of a function, given its JSON-encoded name as a Lark literal and the
+        rule matching its arguments; ``open``/``sep``/``close`` are Lark
+        expressions (use :meth:`marker` for markers that may be special tokens).
+        """
+        functions = self.functions(tools, force)
         rules: List[str] = []
         alts: List[str] = []
         for i, (name, params) in enumerate(functions.items()):
             # the name is fixed text in the envelope: JSON-encode it, then quote that for Lark
-            rules.append(f"args_{i}: %json {json.dumps(self._with_options(params), ensure_ascii=False)}")
-            alts.append(fmt_spec.call(_lit(json.dumps(name, ensure_ascii=False)), f"args_{i}"))
-        more = f" ({fmt_spec.sep} call)*" if parallel else ""
-        head = [f"start: {fmt_spec.open} call{more} {fmt_spec.close}", "call: " + "\n    | ".join(alts)]
-        lark = "\n".join(head + rules) + "\n"
-        for placeholder, text in fmt_spec.markers.items():
-            lark = lark.replace(placeholder, self._marker(text))
+            rules.append(f"args_{i}: {self.json_rule(params)}")
+            alts.append(call(_lit(json.dumps(name, ensure_ascii=False)), f"args_{i}"))
+        more = f" ({sep} call)*" if parallel else ""
+        head = [f"start: {open} call{more} {close}", "call: " + "\n    | ".join(alts)]
+        return self.tool_grammar("\n".join(head + rules) + "\n", functions)
+
+    def tool_grammar(self, lark: str, functions: Mapping[str, Mapping[str, Any]]) -> Grammar:
+        """Compile a tool-call Lark grammar; a failure names the guilty tool when one is."""
         try:
             return self.compile(llg.LLMatcher.grammar_from_lark(lark), "tool_calls")
         except GrammarError:
@@ -247,7 +273,7 @@ class GrammarCompiler:
         if matcher.is_error():
             what = {"json_schema": "JSON schema", "tool_calls": "tool parameters schema"}.get(kind, "grammar")
             raise GrammarError(f"unsupported or invalid {what}: {_clean(matcher.get_error())}")
-        grammar = Grammar(spec=spec, kind=kind, _matcher=matcher)
+        grammar = Grammar(spec=spec, kind=kind, _matcher=matcher, unique_keys=kind in _JSON_KINDS)
         with self._lock:
             self._cache[spec] = grammar
             while len(self._cache) > self._cache_size:
@@ -262,7 +288,18 @@ class GrammarCompiler:
             grammar = self.compile(grammar)
         with self._lock:  # deep_copy reads the pristine matcher; keep it single-threaded
             matcher = grammar._matcher.deep_copy()
-        return GrammarProcessor(matcher, self.eos_token_ids, self.vocab_size, kind=grammar.kind)
+        guard = KeyGuard(self._token_table()) if grammar.unique_keys else None
+        return GrammarProcessor(matcher, self.eos_token_ids, self.vocab_size, kind=grammar.kind, key_guard=guard)
+
+    def _token_table(self) -> "_TokenTable":
+        """Every token's bytes and quote count, built once per model (for :class:`KeyGuard`)."""
+        if self._tokens is None:
+            n = self.ll_tokenizer.vocab_size
+            raw = [self.ll_tokenizer.decode_bytes([i]) for i in range(n)]
+            quotes = np.zeros(self.vocab_size, dtype=np.int8)
+            quotes[:n] = [min(b.count(b'"'), 2) for b in raw]
+            self._tokens = _TokenTable(raw, quotes == 1, quotes == 2)
+        return self._tokens
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -313,15 +350,141 @@ class GrammarCompiler:
                          else self._check_schema(params, f"tools[{i}].function.parameters"))
         return out
 
-    def _marker(self, text: str) -> str:
-        """A Lark expression for a format marker: the special token itself
-        when the vocabulary has it as one (models emit ``[TOOL_CALLS]`` as a
-        single special token, which a text literal would never match), else
-        the text."""
-        tid = self.tokenizer.tok.token_to_id(text)
-        if tid is not None and self.ll_tokenizer.is_special_token(tid):
-            return f"<[{tid}]>"
-        return _lit(text)
+
+def json_object_lark(depth: int = 4, width: int = 16, max_string: int = 512, max_key: int = 64) -> str:
+    """The Lark grammar of ``response_format: json_object``: a JSON object, bounded.
+
+    ``depth`` levels of nesting, ``width`` members/items per container,
+    strings up to ``max_string`` characters, numbers with at most 16 integer
+    digits, 15 decimals and a 2-digit exponent (never ``1e999``), keys of 1 to
+    ``max_key`` characters starting with a letter, digit, ``_``, ``$``, ``@``
+    or a non-ASCII character (a key like ``", "`` is how a small model starts
+    looping).  Layout as :data:`JSON_OPTIONS`.  Every output is finite; with
+    :class:`KeyGuard`'s unique keys a looping model runs out of room and
+    closes the object, after which only EOS is allowed.
+    """
+    rules = [f"start: obj{depth}"]
+    for d in range(depth, 0, -1):
+        rules.append(f'obj{d}: "{{" "}}" | "{{" m{d} (", " m{d}){{0,{width - 1}}} "}}"')
+        rules.append(f'm{d}: KEY ": " val{d - 1}')
+        if d < depth:
+            rules.append(f"val{d}: obj{d} | arr{d} | scalar")
+            rules.append(f'arr{d}: "[" "]" | "[" val{d - 1} (", " val{d - 1}){{0,{width - 1}}} "]"')
+    rules += ["val0: scalar", 'scalar: STRING | NUMBER | "true" | "false" | "null"',
+              f'KEY: /"[A-Za-z0-9_$@\\u00C0-\\uFFFF][^"\\\\\\x00-\\x1f]{{0,{max_key - 1}}}"/',
+              f'STRING: /"(\\\\(["\\\\\\/bfnrt]|u[0-9a-fA-F]{{4}})|[^"\\\\\\x00-\\x1f]){{0,{max_string}}}"/',
+              'NUMBER: /-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,15})?([eE][+-]?[0-9]{1,2})?/']
+    return "\n".join(rules) + "\n"
+
+
+@dataclass(frozen=True)
+class _TokenTable:
+    raw: List[bytes]          # each token's bytes
+    one_quote: np.ndarray     # tokens holding exactly one '"' (can close a key being written)
+    quotes: np.ndarray        # tokens holding two or more (can open and close a key)
+
+
+_QUOTE, _BSLASH = 0x22, 0x5C
+_OBJ, _ARR = 0x7B, 0x5B
+
+
+class KeyGuard:
+    """Masks every token that would complete a key its object already has.
+
+    JSON Schema (and so llguidance) cannot forbid duplicate keys, and a small
+    model under ``{"type": "object"}`` loops on them.  The guard follows the
+    JSON structure of the generated bytes (which the grammar keeps valid):
+    for each open object, the keys written so far; inside a key string, the
+    bytes of the key.  A token can complete a key only if it holds a ``"``
+    (two when it must also open it), so only the grammar-allowed tokens with
+    quotes are simulated: a few hundred at most, at a key, a few microseconds
+    each.  Keys are compared as written (escapes not decoded).
+    """
+
+    def __init__(self, table: _TokenTable) -> None:
+        self.table = table
+        self.consumed = 0
+        # frames: [is_object, keys]; the innermost last
+        self.frames: List[Tuple[bool, set]] = []
+        self.expect_key = False   # in the innermost object, at a key position
+        self.in_str = False
+        self.esc = False
+        self.in_key = False
+        self.key = bytearray()
+
+    def feed(self, generated: Sequence[int]) -> None:
+        raw = self.table.raw
+        for tok in generated[self.consumed:]:
+            tok = int(tok)
+            if tok < len(raw):
+                self._scan(raw[tok], commit=True)
+        self.consumed = len(generated)
+
+    def restrict(self, allowed: np.ndarray) -> np.ndarray:
+        """``allowed`` without the tokens that would repeat a key (a copy when it changes)."""
+        if not any(is_obj for is_obj, _ in self.frames):
+            return allowed
+        n = min(allowed.shape[0], self.table.quotes.shape[0])
+        quoted = self.table.quotes[:n] | self.table.one_quote[:n] if self.in_key else self.table.quotes[:n]
+        cand = allowed[:n] & quoted
+        bad = [int(t) for t in np.flatnonzero(cand) if self._repeats(self.table.raw[int(t)])]
+        if not bad:
+            return allowed
+        out = allowed.copy()
+        out[bad] = False
+        return out if out.any() else allowed  # never leave nothing: the grammar's word is final
+
+    # -- the scanner: commit=True updates the state; False simulates and reports a repeated key
+    def _repeats(self, data: bytes) -> bool:
+        return self._scan(data, commit=False)
+
+    def _scan(self, data: bytes, commit: bool) -> bool:  # noqa: C901
+        frames = self.frames if commit else list(self.frames)
+        added: Dict[int, set] = {}
+        expect_key, in_str, esc, in_key = self.expect_key, self.in_str, self.esc, self.in_key
+        key = self.key if commit else bytearray(self.key)
+        for b in data:
+            if in_str:
+                if esc:
+                    esc = False
+                elif b == _BSLASH:
+                    esc = True
+                elif b == _QUOTE:
+                    in_str = False
+                    if in_key:
+                        in_key = False
+                        k = bytes(key)
+                        keys = frames[-1][1]
+                        if k in keys or k in added.get(len(frames), ()):
+                            if not commit:
+                                return True
+                        if commit:
+                            keys.add(k)
+                        else:
+                            added.setdefault(len(frames), set()).add(k)
+                    continue
+                if in_key:
+                    key.append(b)
+                continue
+            if b == _QUOTE:
+                in_str = True
+                in_key = expect_key
+                expect_key = False
+                key.clear()
+            elif b == _OBJ or b == _ARR:
+                frames.append((b == _OBJ, set() if commit else set()))
+                if not commit:
+                    added.pop(len(frames), None)
+                expect_key = b == _OBJ
+            elif b == 0x7D or b == 0x5D:  # } ]
+                if frames:
+                    frames.pop()
+                expect_key = False
+            elif b == 0x2C:  # ,
+                expect_key = bool(frames) and frames[-1][0]
+        if commit:
+            self.expect_key, self.in_str, self.esc, self.in_key = expect_key, in_str, esc, in_key
+        return False
 
 
 def _clean(err: str) -> str:
@@ -343,8 +506,10 @@ class GrammarProcessor:
     metrics and benchmarks.
     """
 
-    def __init__(self, matcher: Any, eos_token_ids: Sequence[int], vocab_size: int, *, kind: str = "grammar"):
+    def __init__(self, matcher: Any, eos_token_ids: Sequence[int], vocab_size: int, *, kind: str = "grammar",
+                 key_guard: Optional["KeyGuard"] = None):
         self.matcher = matcher
+        self.key_guard = key_guard
         self.kind = kind
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
@@ -373,6 +538,10 @@ class GrammarProcessor:
                                           f"after {self.consumed} tokens: {_clean(m.get_error())}")
         self.consumed = n
         allowed = self._allowed(logits.shape[-1])
+        if self.key_guard is not None:
+            self.key_guard.feed(generated)
+            if not m.is_stopped():
+                allowed = self.key_guard.restrict(allowed)
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
             # numpy, not torch: torch's intra-op thread pool turns this 50k-element
             # select into milliseconds when the cores are busy (the engine thread

@@ -9,12 +9,26 @@ retry 5xx, so a bad request must never look like a server failure.
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jsonschema
+import numpy as np
 
 FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
+INT32_MAX = 2 ** 31 - 1
+#: Nesting depth a request body may have, counting every object and array.  A chat request
+#: needs about 6; 64 leaves room for tool parameter schemas and keeps every recursive
+#: consumer of the body (json, jsonschema, the grammar compiler) far from the interpreter's limit.
+MAX_JSON_DEPTH = 64
+
+TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+             "properties": {"type": {"const": "text",
+                                     "description": "only text parts are supported (no images, audio, files)"},
+                            "text": {"type": "string"}}}
+CONTENT = {"oneOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": TEXT_PART}]}
 
 CHAT_REQUEST_SCHEMA = {
     "type": "object",
@@ -27,11 +41,11 @@ CHAT_REQUEST_SCHEMA = {
                 "type": "object", "required": ["role"],
                 "properties": {
                     "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-                    "content": {"type": ["string", "array", "null"]},
+                    "content": CONTENT,
                     "name": {"type": "string"},
                     "tool_call_id": {"type": "string"},
                     "tool_calls": {
-                        "type": "array",
+                        "type": ["array", "null"],
                         "items": {
                             "type": "object", "required": ["function"],
                             "properties": {
@@ -43,11 +57,16 @@ CHAT_REQUEST_SCHEMA = {
                             },
                         },
                     },
+                    # what the official clients send back when an assistant message is reused as-is
+                    "refusal": {"type": "null"},
+                    "audio": {"type": "null"},
+                    "function_call": {"type": "null"},
+                    "annotations": {"type": ["array", "null"]},
                 },
             },
         },
         "tools": {
-            "type": "array",
+            "type": ["array", "null"],
             "items": {
                 "type": "object", "required": ["type", "function"],
                 "properties": {
@@ -60,6 +79,7 @@ CHAT_REQUEST_SCHEMA = {
             },
         },
         "tool_choice": {"oneOf": [
+            {"type": "null"},
             {"enum": ["none", "auto", "required"]},
             {"type": "object", "required": ["type", "function"],
              "properties": {"type": {"const": "function"},
@@ -68,7 +88,7 @@ CHAT_REQUEST_SCHEMA = {
         ]},
         "parallel_tool_calls": {"type": ["boolean", "null"]},
         "response_format": {
-            "type": "object", "required": ["type"],
+            "type": ["object", "null"], "required": ["type"],
             "properties": {
                 "type": {"enum": ["text", "json_object", "json_schema"]},
                 "json_schema": {"type": "object", "required": ["name"],
@@ -78,22 +98,27 @@ CHAT_REQUEST_SCHEMA = {
             },
         },
         "stream": {"type": ["boolean", "null"]},
-        "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
-        "max_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "stream_options": {"type": ["object", "null"], "additionalProperties": False,
+                           "properties": {"include_usage": {"type": ["boolean", "null"]},
+                                          "include_obfuscation": {"type": ["boolean", "null"]}}},
+        "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": INT32_MAX},
+        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": INT32_MAX},
         "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
         "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"type": ["integer", "null"], "minimum": 0},
-        "seed": {"type": ["integer", "null"]},
+        "top_k": {"type": ["integer", "null"], "minimum": 0, "maximum": INT32_MAX},
+        "seed": {"type": ["integer", "null"], "minimum": -2 ** 63, "maximum": 2 ** 63 - 1},
         "stop": {"oneOf": [{"type": "string"}, {"type": "null"},
                            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
-        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": 1},
         "logprobs": {"type": ["boolean", "null"]},
-        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 0,
-                         "description": "only 0 is supported: the sampled token's logprob is returned"},
-        "user": {"type": "string"},
+        # accepted and ignored: they do not change what is generated
+        "user": {"type": ["string", "null"]},
+        "safety_identifier": {"type": ["string", "null"]},
+        "prompt_cache_key": {"type": ["string", "null"]},
+        "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+        "store": {"type": ["boolean", "null"]},
+        "service_tier": {"type": ["string", "null"]},
         "interlace": {
-            "type": "object", "additionalProperties": False,
+            "type": ["object", "null"], "additionalProperties": False,
             "properties": {
                 "server_tools": {"oneOf": [{"type": "boolean"}, {"type": "array", "items": {"type": "string"}}]},
                 "partial_execution": {"type": "boolean"},
@@ -106,7 +131,46 @@ CHAT_REQUEST_SCHEMA = {
     },
 }
 
-_validator = jsonschema.Draft202012Validator(CHAT_REQUEST_SCHEMA)
+
+def _number_is(value: float) -> Callable[[Any], bool]:
+    return lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == value)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == {} or v == []
+
+
+#: OpenAI parameters Interlace does not implement: accepted only at their neutral value
+#: (so clients that always send the default keep working), refused otherwise -- never ignored.
+UNSUPPORTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "n": (_number_is(1), "only n=1 is supported"),
+    "frequency_penalty": (_number_is(0), "frequency_penalty is not supported (only 0)"),
+    "presence_penalty": (_number_is(0), "presence_penalty is not supported (only 0)"),
+    "logit_bias": (_empty, "logit_bias is not supported"),
+    "top_logprobs": (_number_is(0), "top_logprobs is not supported (only 0: logprobs gives the sampled "
+                                    "token's log-probability)"),
+    "audio": (_empty, "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
+    "prediction": (_empty, "predicted outputs are not supported"),
+    "functions": (_empty, "the legacy 'functions' parameter is not supported: use 'tools'"),
+    "function_call": (_empty, "the legacy 'function_call' parameter is not supported: use 'tool_choice'"),
+    "reasoning_effort": (_empty, "reasoning_effort is not supported"),
+    "verbosity": (_empty, "verbosity is not supported"),
+    "web_search_options": (_empty, "web search is not supported"),
+}
+
+KNOWN_FIELDS = frozenset(CHAT_REQUEST_SCHEMA["properties"]) | frozenset(UNSUPPORTED)
+
+
+def _is_integer(checker: Any, instance: Any) -> bool:
+    """JSON Schema's "integer" accepts 3.0; a parameter that must be an int must be sent as one."""
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
+_validator = _Validator(CHAT_REQUEST_SCHEMA)
 
 
 class APIError(Exception):
@@ -121,6 +185,59 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# ------------------------------------------------------------------ parsing
+#: A JSON string, closed or not (so an unterminated one cannot make the scan quadratic).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of objects/arrays in ``raw`` (UTF-8 JSON), found without parsing:
+    strings are blanked out, then a cumulative sum of the brackets runs in numpy.  Linear and
+    in C, so a hostile body is measured before any recursive parser sees it."""
+    a = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    step = (a == 0x5B).astype(np.int32) + (a == 0x7B) - (a == 0x5D) - (a == 0x7D)
+    return int(step.cumsum().max(initial=0))
+
+
+def _no_constant(name: str) -> Any:
+    raise APIError(400, f"{name} is not valid JSON (only finite numbers are)", code="invalid_json")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise APIError(400, f"the number {text[:40]} is out of range (only finite numbers are valid)",
+                       code="invalid_json")
+    return value
+
+
+def parse_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Strict JSON for requests: UTF-8, at most ``max_depth`` levels deep, finite numbers only
+    (no ``NaN``, ``Infinity``, ``1e999``) and no lone surrogates (``"\\ud800"``) -- each of these
+    would otherwise get through ``json.loads`` and fail later, far from the cause."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise APIError(400, f"the request body is not valid UTF-8: {e}", code="invalid_json") from None
+    else:
+        text, raw = raw, raw.encode("utf-8", "surrogatepass")
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise APIError(400, f"JSON nested {depth} levels deep; at most {max_depth} are allowed",
+                       code="invalid_json")
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except ValueError as e:  # JSONDecodeError, and int() of an over-long integer literal
+        raise APIError(400, f"invalid JSON: {e}", code="invalid_json") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "a string holds a lone UTF-16 surrogate (such as \\ud800), which is not valid "
+                            "Unicode", code="invalid_json") from None
+    return value
+
+
 def _path(err: jsonschema.ValidationError) -> Optional[str]:
     out = ""
     for p in err.absolute_path:
@@ -128,9 +245,33 @@ def _path(err: jsonschema.ValidationError) -> Optional[str]:
     return out or None
 
 
+def _refuse_non_text_parts(messages: Any) -> None:
+    """Images, audio and files are understood but not supported: say so, rather than
+    the schema's "'text' was expected"."""
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise APIError(400, f"messages[{i}].content[{j}]: content parts of type {kind!r} are not "
+                                    "supported (only 'text')", param=f"messages[{i}].content[{j}].type",
+                               code="unsupported_parameter")
+
+
 def validate_chat_request(body: Any) -> Dict[str, Any]:
+    """Check a parsed request body; raise :class:`APIError` (400, ``param`` naming the field) on the
+    first problem.  Unknown fields and unsupported parameters are refused rather than ignored: a
+    client that asks for something must not silently get something else."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_body")
+    for name in body:
+        if name not in KNOWN_FIELDS:
+            raise APIError(400, f"unrecognized request argument supplied: {name}", param=name,
+                           code="unknown_parameter")
+    for name, (neutral, why) in UNSUPPORTED.items():
+        if name in body and not neutral(body[name]):
+            raise APIError(400, f"{why}; got {name}={body[name]!r}", param=name, code="unsupported_parameter")
+    _refuse_non_text_parts(body.get("messages"))
     err = jsonschema.exceptions.best_match(_validator.iter_errors(body))
     if err is not None:
         param = _path(err)
@@ -139,11 +280,11 @@ def validate_chat_request(body: Any) -> Dict[str, Any]:
     ids = set()
     for i, m in enumerate(msgs):
         for j, c in enumerate(m.get("tool_calls") or []):
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
             try:
-                json.loads(c["function"]["arguments"])
-            except ValueError:
-                raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
-                               param=f"messages[{i}].tool_calls[{j}].function.arguments", code="invalid_value")
+                parse_json(c["function"]["arguments"])
+            except APIError as e:
+                raise APIError(400, f"{where} is not valid JSON: {e.message}", param=where, code="invalid_value")
             ids.add(c.get("id"))
         if m["role"] == "tool" and "tool_call_id" not in m:
             raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id",

@@ -4,43 +4,61 @@ One :class:`PluginHost` per gateway.  It owns the pluggy ``PluginManager``,
 fails at load time on a hook name pluggy does not know (a misspelled
 ``register_tool`` would otherwise be silently ignored), collects tools and
 parsers with per-plugin attribution (so a duplicate name says which two
-plugins clash), and gives each tool its settings.
+plugins clash), gives each tool its validated settings, and adapts the
+``before_tool_execution`` hook to the runtime's ``policy`` callable.
+
+Every hook is called through pluggy (``pm.hook.<name>(...)``), so ``tryfirst``,
+``trylast`` and hook wrappers behave as pluggy documents.  Attribution comes
+from what the host registers: not the plugin object itself but a
+:class:`_PluginView` of it, holding the same hook implementations (same
+names, markers and signatures) each wrapped to run with the plugin's name in
+a context variable and, for the policy hook, to check the plugin's answer.
 
 How settings reach tools: the host is built with ``tool_settings``, a mapping
 from tool name to that tool's settings dict (the ``tools:`` section of the
-gateway config).  Right after a plugin calls ``register(tool)``, the host
-calls ``tool.configure(tool_settings.get(tool.name, {}))``.  Tools that need
-a setting to work (a database path, a corpus) set ``enabled = False`` when it
-is missing; they are listed but not served.
+gateway config).  When a plugin calls ``register(tool)``, the host validates
+the settings (``Tool.settings_schema`` plus :data:`COMMON_SETTINGS`; unknown
+keys are rejected), calls ``tool.configure(settings)``, applies the common
+settings and runs ``tool.check()``.
 """
 
 from __future__ import annotations
 
+import contextvars
 import difflib
+import functools
 import importlib
 import importlib.metadata
+import json
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pluggy
 
+from ..parsers.formats import FormatError, check_format
 from . import hookspecs
-from .hookspecs import PROJECT
-from .tools import Tool
+from .hookspecs import PROJECT, Veto
+from .tools import COMMON_SETTINGS, Tool, ToolVetoed
 
 __all__ = [
     "PluginHost",
     "PluginLoadError",
+    "PluginHookError",
     "DuplicateRegistration",
     "BUILTIN_PLUGINS",
     "list_plugins",
+    "validate_tool_settings",
 ]
 
 log = logging.getLogger(__name__)
 
 #: Modules registered as plugins on every host (unless already loaded as an entry point).
 BUILTIN_PLUGINS: tuple[str, ...] = ("interlace.plugins.builtin", "interlace.parsers.builtin")
+
+#: The plugin whose hook implementation is running (set by :class:`_PluginView`).
+_running_plugin: contextvars.ContextVar[str | None] = contextvars.ContextVar("interlace_running_plugin", default=None)
 
 
 class PluginLoadError(RuntimeError):
@@ -51,6 +69,14 @@ class DuplicateRegistration(PluginLoadError):
     """Two registrations (tools or parsers) share a name."""
 
 
+class PluginHookError(RuntimeError):
+    """A plugin's hook broke its contract at call time (a bad answer or an exception)."""
+
+    def __init__(self, plugin: str, hook: str, problem: str) -> None:
+        self.plugin, self.hook, self.problem = plugin, hook, problem
+        super().__init__(f"plugin {plugin!r}: {hook} {problem}")
+
+
 def _interlace_version() -> str:
     try:
         return importlib.metadata.version(PROJECT)
@@ -58,20 +84,134 @@ def _interlace_version() -> str:
         return "0+unknown"
 
 
-#: Settings every tool takes, applied by the host after ``Tool.configure``.
-COMMON_SETTINGS = {"workers": int, "timeout_s": float, "nice": int}
+# --------------------------------------------------------------------------- settings
+
+
+def _path(parts: Iterable[Any]) -> str:
+    return ".".join(str(p) for p in parts)
+
+
+def validate_tool_settings(tool: Tool, settings: Mapping[str, Any]) -> None:
+    """Check one tool's settings; raise :class:`PluginLoadError` naming the tool and key.
+
+    Common keys are checked against :data:`COMMON_SETTINGS`, the rest against
+    ``tool.settings_schema``.  A key in neither is rejected, unless the tool's
+    schema accepts extra keys explicitly (``additionalProperties`` given as a
+    schema or ``true``, or a matching ``patternProperties``).
+    """
+    from jsonschema import validators
+    from jsonschema.exceptions import SchemaError, best_match
+
+    schema = tool.settings_schema
+    if not isinstance(settings, Mapping):
+        raise PluginLoadError(f"tool {tool.name!r}: settings must be a mapping, not {type(settings).__name__}")
+    try:
+        own_cls = validators.validator_for(schema)
+        own_cls.check_schema(schema)
+    except (SchemaError, AttributeError, TypeError) as exc:
+        raise PluginLoadError(f"tool {tool.name!r}: settings_schema is not a valid JSON Schema: {exc}") from exc
+    declared = schema.get("properties", {})
+    extra = schema.get("additionalProperties", False)
+    patterns = list(schema.get("patternProperties", {}))
+    unknown = [
+        key for key in settings
+        if key not in declared and key not in COMMON_SETTINGS
+        and not (extra is not False and extra is not None)
+        and not any(re.search(p, str(key)) for p in patterns)
+    ]
+    if unknown:
+        known = sorted({*declared, *COMMON_SETTINGS})
+        guess = difflib.get_close_matches(str(unknown[0]), known, n=1)
+        hint = f"; did you mean {guess[0]!r}?" if guess else ""
+        raise PluginLoadError(
+            f"tool {tool.name!r}: unknown setting {unknown[0]!r}{hint} (known settings: {', '.join(known)})"
+        )
+    common = {k: v for k, v in settings.items() if k in COMMON_SETTINGS}
+    own = {k: v for k, v in settings.items() if k not in COMMON_SETTINGS or k in declared}
+    checks = (
+        (validators.Draft202012Validator({"type": "object", "properties": COMMON_SETTINGS}), common),
+        (own_cls(schema), own),
+    )
+    for validator, instance in checks:
+        error = best_match(validator.iter_errors(instance))
+        if error is not None:
+            where = f"setting {_path(error.absolute_path)!r}" if error.absolute_path else "settings"
+            raise PluginLoadError(f"tool {tool.name!r}: {where}: {error.message}")
 
 
 def _apply_common_settings(tool: Tool, settings: Mapping[str, Any]) -> None:
-    """``workers`` (pool size), ``timeout_s`` and ``nice`` (worker CPU priority:
-    on a CPU-only host a positive value keeps CPU-heavy tools from slowing
-    decoding) work for every tool, whatever its own ``configure`` reads."""
-    for key, kind in COMMON_SETTINGS.items():
+    """Common settings (validated already) become the tool attributes of the same name."""
+    kinds: dict[str, Callable[[Any], Any]] = {"timeout_s": float, "cpu_s": float, "env": dict}
+    for key in COMMON_SETTINGS:
         if key in settings:
-            try:
-                setattr(tool, key, kind(settings[key]))
-            except (TypeError, ValueError) as exc:
-                raise PluginLoadError(f"tool {tool.name!r}: setting {key!r} must be {kind.__name__}: {exc}") from exc
+            setattr(tool, key, kinds.get(key, int)(settings[key]))
+
+
+# --------------------------------------------------------------------------- attribution
+
+
+def _check_verdict(plugin: str, answer: Any) -> Veto | None:
+    """A ``before_tool_execution`` answer, checked: ``None`` or a :class:`Veto` from ``plugin``."""
+    if answer is None:
+        return None
+    if isinstance(answer, Veto):
+        return Veto(answer.reason, plugin=plugin)
+    raise PluginHookError(
+        plugin, "before_tool_execution",
+        f"returned {answer!r}; return None to allow the call, Veto('reason') or raise ToolVetoed('reason') to refuse it",
+    )
+
+
+def _attributed(plugin: str, hook: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run with ``plugin`` as the running plugin; errors name the plugin."""
+
+    @functools.wraps(function)  # keeps the hookimpl marker and, via __wrapped__, the signature
+    def run(*args: Any, **kwargs: Any) -> Any:
+        token = _running_plugin.set(plugin)
+        try:
+            answer = function(*args, **kwargs)
+        except ToolVetoed as exc:
+            if hook != "before_tool_execution":
+                raise
+            answer = Veto(str(exc) or "vetoed", plugin=plugin)
+        except (PluginLoadError, PluginHookError):
+            raise
+        except Exception as exc:
+            if hook in ("register_tools", "register_parsers"):
+                raise PluginLoadError(f"plugin {plugin!r}: {hook} raised {type(exc).__name__}: {exc}") from exc
+            raise PluginHookError(plugin, hook, f"raised {type(exc).__name__}: {exc}") from exc
+        finally:
+            _running_plugin.reset(token)
+        return _check_verdict(plugin, answer) if hook == "before_tool_execution" else answer
+
+    return run
+
+
+class _PluginView:
+    """What the host registers with pluggy for a plugin: its hook implementations, attributed.
+
+    Same attribute names and ``@hookimpl`` options as the plugin (pluggy orders
+    and validates them as usual); plain implementations are wrapped by
+    :func:`_attributed`, hook wrappers (generators) are passed through as they are.
+    """
+
+    def __init__(self, plugin: object, name: str, pm: pluggy.PluginManager) -> None:
+        self.__name__ = name
+        for attr in dir(plugin):
+            opts = pm.parse_hookimpl_opts(plugin, attr)
+            if opts is None:
+                continue
+            function = getattr(plugin, attr)
+            if not (opts.get("wrapper") or opts.get("hookwrapper")):
+                function = _attributed(name, opts.get("specname") or attr, function)
+                setattr(function, f"{PROJECT}_impl", opts)
+            setattr(self, attr, function)
+
+    def __repr__(self) -> str:
+        return f"<plugin {self.__name__}>"
+
+
+# --------------------------------------------------------------------------- the host
 
 
 class PluginHost:
@@ -85,27 +225,22 @@ class PluginHost:
         entrypoints: bool = True,
         plugins: Iterable[object] = (),
     ) -> None:
-        """``plugins`` registers extra plugin objects directly (tests, embedding)."""
+        """``plugins`` registers extra plugin objects directly (tests, embedding);
+        one already loaded (as an entry point or built-in) is not registered twice."""
         self.tool_settings: dict[str, Mapping[str, Any]] = dict(tool_settings or {})
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspecs)
+        self._plugins: dict[str, object] = {}  # name -> the plugin object (module, instance)
+        self._dists: dict[str, importlib.metadata.Distribution] = {}
         self._builtin: set[str] = set()
         try:
             if entrypoints:
-                try:
-                    self.pm.load_setuptools_entrypoints(PROJECT)
-                except pluggy.PluginValidationError:
-                    raise
-                except Exception as exc:
-                    reason = f"{type(exc).__name__}: {exc}"
-                    raise PluginLoadError(f"loading {PROJECT!r} entry points failed: {reason}") from exc
+                self._load_entrypoints()
             for modname in builtins:
-                module = importlib.import_module(modname)
-                if not self.pm.is_registered(module):
-                    self.pm.register(module, name=modname)
-                self._builtin.add(self.pm.get_name(module) or modname)
+                name = self._register(importlib.import_module(modname), modname)
+                self._builtin.add(name)
             for plugin in plugins:
-                self.pm.register(plugin)
+                self._register(plugin, None)
             self._check_hook_names()
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
@@ -116,6 +251,34 @@ class PluginHost:
         self._parser_owner: dict[str, str] = {}
 
     # -- loading -----------------------------------------------------------------------
+
+    def _register(self, plugin: object, name: str | None) -> str:
+        """Register ``plugin`` (through its view) unless already there; return its name."""
+        for known, obj in self._plugins.items():
+            if obj is plugin:
+                return known
+        name = name or getattr(plugin, "__name__", None) or f"{type(plugin).__qualname__}_{id(plugin):x}"
+        if name in self._plugins:
+            raise PluginLoadError(f"two plugins are named {name!r}")
+        self._plugins[name] = plugin
+        self.pm.register(_PluginView(plugin, name, self.pm), name=name)
+        return name
+
+    def _load_entrypoints(self) -> None:
+        """Every installed ``interlace`` entry point, as pluggy's loader would, through views."""
+        seen: set[str] = set()
+        for dist in importlib.metadata.distributions():
+            for ep in dist.entry_points:
+                if ep.group != PROJECT or ep.name in seen:
+                    continue
+                seen.add(ep.name)
+                try:
+                    plugin = ep.load()
+                except Exception as exc:
+                    reason = f"{type(exc).__name__}: {exc}"
+                    raise PluginLoadError(f"loading {PROJECT!r} entry point {ep.name!r} ({ep.value}) failed: {reason}"
+                                          ) from exc
+                self._dists[self._register(plugin, ep.name)] = dist
 
     def _plugin_label(self, plugin: object) -> str:
         name = self.pm.get_name(plugin) if plugin is not None else None
@@ -139,39 +302,40 @@ class PluginHost:
 
     # -- registrations ---------------------------------------------------------------
 
-    def _call_each(self, hook_name: str, make_register: Callable[[str], Callable[..., None]]) -> None:
-        """Call each implementation separately, so registrations can be attributed to a plugin."""
-        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-            owner = self.pm.get_name(impl.plugin) or impl.plugin_name
-            register = make_register(owner)
-            impl.function(*[register for _ in impl.argnames])
+    @staticmethod
+    def _registering_plugin(what: str) -> str:
+        owner = _running_plugin.get()
+        if owner is None:
+            raise PluginLoadError(f"register() for {what} was called outside a register hook")
+        return owner
 
     def tools(self, *, include_disabled: bool = False) -> dict[str, Tool]:
-        """Tools by name, configured (collected on first use)."""
+        """Tools by name, configured (collected on first use, in pluggy's call order)."""
         if self._tools is None:
             collected: dict[str, Tool] = {}
 
-            def make_register(owner: str) -> Callable[[Tool], None]:
-                def register(tool: Tool) -> None:
-                    if not isinstance(tool, Tool):
-                        raise PluginLoadError(f"plugin {owner!r} registered {tool!r}, which is not an interlace Tool")
-                    if tool.name in collected:
-                        raise DuplicateRegistration(
-                            f"tool {tool.name!r} is registered by both {self._tool_owner[tool.name]!r} and {owner!r}"
-                        )
-                    settings = dict(self.tool_settings.get(tool.name, {}))
+            def register(tool: Tool) -> None:
+                owner = self._registering_plugin("a tool")
+                if not isinstance(tool, Tool):
+                    raise PluginLoadError(f"plugin {owner!r} registered {tool!r}, which is not an interlace Tool")
+                if tool.name in collected:
+                    raise DuplicateRegistration(
+                        f"tool {tool.name!r} is registered by both {self._tool_owner[tool.name]!r} and {owner!r}"
+                    )
+                settings = dict(self.tool_settings.get(tool.name, {}))
+                try:
+                    validate_tool_settings(tool, settings)
                     tool.configure(settings)
                     _apply_common_settings(tool, settings)
-                    try:
-                        tool.check()
-                    except Exception as exc:
-                        raise PluginLoadError(f"plugin {owner!r}, tool {tool.name!r}: {exc}") from exc
-                    collected[tool.name] = tool
-                    self._tool_owner[tool.name] = owner
+                    tool.check()
+                except PluginLoadError:
+                    raise
+                except Exception as exc:
+                    raise PluginLoadError(f"plugin {owner!r}, tool {tool.name!r}: {exc}") from exc
+                collected[tool.name] = tool
+                self._tool_owner[tool.name] = owner
 
-                return register
-
-            self._call_each("register_tools", make_register)
+            self.pm.hook.register_tools(register=register)
             unknown = set(self.tool_settings) - set(collected)
             if unknown:  # a typo, or a plugin that is not installed: worth a loud line, not a crash
                 log.warning("settings given for unknown tools: %s", ", ".join(sorted(unknown)))
@@ -179,40 +343,59 @@ class PluginHost:
         return {n: t for n, t in self._tools.items() if include_disabled or t.enabled}
 
     def parsers(self) -> dict[str, Callable[[], Any]]:
-        """Parser factories by name (the parsers themselves live in ``interlace.parsers``)."""
+        """Parser factories by name (the parsers themselves live in ``interlace.parsers``).
+
+        Each factory must carry a valid ``format`` (``interlace.ToolFormat``,
+        contract 4); one without is a :class:`PluginLoadError` naming the plugin.
+        """
         if self._parsers is None:
             collected: dict[str, Callable[[], Any]] = {}
 
-            def make_register(owner: str) -> Callable[[str, Callable[[], Any]], None]:
-                def register(name: str, factory: Callable[[], Any]) -> None:
-                    if not isinstance(name, str) or not name or not callable(factory):
-                        raise PluginLoadError(f"plugin {owner!r}: register(name, factory) needs a name and a callable")
-                    if name in collected:
-                        raise DuplicateRegistration(
-                            f"parser {name!r} is registered by both {self._parser_owner[name]!r} and {owner!r}"
-                        )
-                    collected[name] = factory
-                    self._parser_owner[name] = owner
+            def register(name: str, factory: Callable[[], Any]) -> None:
+                owner = self._registering_plugin(f"parser {name!r}")
+                if not isinstance(name, str) or not name or not callable(factory):
+                    raise PluginLoadError(f"plugin {owner!r}: register(name, factory) needs a name and a callable")
+                try:  # contract 4: the parser says how its format is written
+                    check_format(getattr(factory, "format", None), f"{name!r} of plugin {owner!r}")
+                except FormatError as exc:
+                    raise PluginLoadError(str(exc)) from exc
+                if name in collected:
+                    raise DuplicateRegistration(
+                        f"parser {name!r} is registered by both {self._parser_owner[name]!r} and {owner!r}"
+                    )
+                collected[name] = factory
+                self._parser_owner[name] = owner
 
-                return register
-
-            self._call_each("register_parsers", make_register)
+            self.pm.hook.register_parsers(register=register)
             self._parsers = collected
         return dict(self._parsers)
 
     # -- runtime hooks -------------------------------------------------------------------
 
     def before_tool_execution(self, tool_name: str, arguments: dict[str, Any], request: Any = None) -> str | None:
-        """The first veto message any plugin returns, or ``None`` to allow the call.
+        """The runtime's policy: ``None`` to allow the call, else the message that refuses it.
 
         Matches :data:`interlace.gateway.tool_runtime.Policy`, so a runtime can
-        take ``policy=host.before_tool_execution``.
+        take ``policy=host.before_tool_execution``.  A plugin that breaks the
+        hook's contract refuses the call (fail closed) with an error naming it.
         """
-        results = self.pm.hook.before_tool_execution(tool_name=tool_name, arguments=arguments, request=request)
-        for result in results:
-            if result is not None:
-                return str(result)
-        return None
+        try:
+            verdict = self.pm.hook.before_tool_execution(tool_name=tool_name, arguments=arguments, request=request)
+        except PluginHookError as exc:
+            log.error("tool call %r refused: %s", tool_name, exc)
+            return f"refused because of a broken policy plugin: {exc}"
+        except ToolVetoed as exc:  # raised by a hook wrapper: a veto all the same
+            return str(exc) or "vetoed"
+        except Exception as exc:  # raised by a hook wrapper, which is not attributed
+            log.error("tool call %r refused: a before_tool_execution hook wrapper raised", tool_name, exc_info=True)
+            return f"refused because a before_tool_execution hook wrapper raised {type(exc).__name__}: {exc}"
+        if verdict is None:
+            return None
+        if isinstance(verdict, Veto):
+            log.info("tool call %r vetoed by plugin %r: %s", tool_name, verdict.plugin, verdict.reason)
+            return verdict.reason
+        log.error("tool call %r refused: a before_tool_execution hook wrapper returned %r", tool_name, verdict)
+        return f"refused because a before_tool_execution hook wrapper returned {verdict!r}, not None or a Veto"
 
     def startup(self, app: Any) -> None:
         self.pm.hook.startup(app=app)
@@ -226,40 +409,66 @@ class PluginHost:
     # -- introspection -------------------------------------------------------------------
 
     def list_plugins(self) -> list[dict[str, Any]]:
-        """Installed plugins as plain dicts, for ``GET /v1/plugins`` and ``interlace plugins``."""
+        """Installed plugins as plain dicts, for ``GET /v1/plugins`` and ``interlace plugins``.
+
+        Each: ``name``, ``module``, ``package``, ``version``, ``builtin``,
+        ``hooks`` (names it implements), ``tools`` (each with its ``info()``,
+        or ``{"error": ...}`` when ``info()`` raised) and ``parsers`` (names).
+        """
         tools = self.tools(include_disabled=True)
         parsers = self.parsers()
-        dists = {id(plugin): dist for plugin, dist in self.pm.list_plugin_distinfo()}
         out = []
-        for name, plugin in self.pm.list_name_plugin():
-            if plugin is None:
-                continue
-            dist = dists.get(id(plugin))
-            builtin = name in self._builtin
+        for name, plugin in self._plugins.items():
+            dist = self._dists.get(name)
+            builtin = name in self._builtin or (dist is not None and dist.metadata["Name"] == PROJECT)
+            view = self.pm.get_plugin(name)
             out.append({
                 "name": name,
                 "module": getattr(plugin, "__name__", type(plugin).__qualname__),
-                "package": dist.project_name if dist else (PROJECT if builtin else None),
+                "package": dist.metadata["Name"] if dist else (PROJECT if builtin else None),
                 "version": dist.version if dist else (_interlace_version() if builtin else None),
-                "builtin": builtin or (dist is not None and dist.project_name == PROJECT),
-                "hooks": sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or ()),
-                "tools": [
-                    {
-                        "name": tool.name,
-                        "description": tool.description,
-                        "granularity": tool.granularity.name,
-                        "validate_early": tool.validate_early,
-                        "timeout_s": tool.timeout_s,
-                        "enabled": tool.enabled,
-                    }
-                    for tool_name, tool in tools.items()
-                    if self._tool_owner.get(tool_name) == name
-                ],
+                "builtin": builtin,
+                "hooks": sorted(caller.name for caller in self.pm.get_hookcallers(view) or ()),
+                "tools": [_describe_tool(tool) for tool_name, tool in tools.items()
+                          if self._tool_owner.get(tool_name) == name],
                 "parsers": sorted(p for p in parsers if self._parser_owner.get(p) == name),
             })
         return out
 
 
-def list_plugins(tool_settings: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """Load plugins as the gateway would and describe them (for the CLI)."""
-    return PluginHost(tool_settings).list_plugins()
+def _tool_info(tool: Tool) -> dict[str, Any]:
+    """``tool.info()`` as JSON-able data; a failure is reported in place, not raised,
+    so one broken tool does not hide the others from the listing."""
+    try:
+        info = tool.info()
+        if not isinstance(info, dict):
+            raise TypeError(f"info() returned {type(info).__name__}, not a dict")
+        json.dumps(info)
+        return info
+    except Exception as exc:
+        log.warning("tool %r: info() failed", tool.name, exc_info=True)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _describe_tool(tool: Tool) -> dict[str, Any]:
+    info = _tool_info(tool)
+    return {
+        "name": tool.name,
+        "description": tool.description,
+        "granularity": tool.granularity.name,
+        "validate_early": tool.validate_early,
+        "timeout_s": tool.timeout_s,
+        "workers": tool.workers,
+        "enabled": tool.enabled,
+        "info": info,
+    }
+
+
+def list_plugins(tool_settings: Mapping[str, Mapping[str, Any]] | None = None, **host_kwargs: Any
+                 ) -> list[dict[str, Any]]:
+    """Load plugins as the gateway would and describe them (for the CLI).
+
+    ``host_kwargs`` go to :class:`PluginHost` (``builtins``, ``entrypoints``,
+    ``plugins``), so the CLI can list what a config's ``plugins:`` section loads.
+    """
+    return PluginHost(tool_settings, **host_kwargs).list_plugins()

@@ -30,7 +30,12 @@ the end, so a tool's result never depends on the mode, only its latency.
 
 Lifecycle of the prototype, for tools that need settings or resources::
 
+    (validation)          gateway process, by the plugin host: the settings are
+                          checked against ``settings_schema`` + COMMON_SETTINGS
     configure(settings)   gateway process, by the plugin host (settings dict)
+    (common settings)     gateway process, by the host: workers, timeout_s, nice,
+                          memory_mb, cpu_s, env set as attributes
+    check()               gateway process, by the host: the declaration is sane
     setup()               gateway process, once, before workers start
     worker_init()         each worker process, once, before its first call
     on_start/.../on_close each call, in a worker
@@ -59,9 +64,26 @@ __all__ = [
     "InvalidToolArguments",
     "UnknownTool",
     "ToolConfigError",
+    "COMMON_SETTINGS",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+
+#: Settings every tool takes, as JSON Schema property schemas.  The plugin
+#: host validates them and sets the :class:`Tool` attribute of the same name;
+#: a tool's own settings are described by :attr:`Tool.settings_schema`.
+COMMON_SETTINGS: dict[str, dict[str, Any]] = {
+    "workers": {"type": "integer", "minimum": 1, "description": "Worker processes kept warm for the tool."},
+    "timeout_s": {"type": "number", "exclusiveMinimum": 0, "description": "Wall-clock seconds per call."},
+    "nice": {"type": "integer", "minimum": 0, "maximum": 19, "description": "Added to the workers' nice value."},
+    "memory_mb": {"type": "integer", "minimum": 16, "description": "Address-space limit of a worker, in MiB."},
+    "cpu_s": {"type": "number", "exclusiveMinimum": 0, "description": "CPU seconds per call."},
+    "env": {
+        "type": "object",
+        "additionalProperties": {"type": "string"},
+        "description": "Extra environment variables for the workers (which otherwise get a minimal one).",
+    },
+}
 
 
 class Granularity(enum.Enum):
@@ -158,9 +180,21 @@ class Tool:
     line_field: str | None = None
     #: Worker processes kept warm for this tool (calls beyond this queue).
     workers: int = 1
-    nice: int = 0  # added to the worker processes' nice value (lower CPU priority)
+    #: Added to the worker processes' nice value (lower CPU priority).
+    nice: int = 0
+    #: Address-space limit of each worker process, in MiB.
+    memory_mb: int = 1024
+    #: CPU seconds one call may use.
+    cpu_s: float = 30.0
+    #: Extra environment variables for the workers; the host replaces it, never mutate it.
+    env: Mapping[str, str] = {}
     #: ``False`` hides the tool (e.g. a database tool with no database configured).
     enabled: bool = True
+    #: JSON Schema of the tool's own settings (the ``tools.<name>`` config section,
+    #: minus :data:`COMMON_SETTINGS`).  A key that is neither declared here nor
+    #: common is a configuration error; declare ``additionalProperties`` (a schema
+    #: or ``true``) or ``patternProperties`` to accept free-form keys.
+    settings_schema: dict[str, Any] = {"type": "object", "properties": {}}
 
     # -- gateway-process lifecycle -------------------------------------------------
 
@@ -172,6 +206,11 @@ class Tool:
 
     def teardown(self) -> None:
         """Release what :meth:`setup` created (runtime close)."""
+
+    def info(self) -> dict[str, Any]:
+        """Facts worth reporting in ``interlace plugins`` and ``GET /v1/plugins``
+        (e.g. the isolation a sandbox has).  Must be JSON-able; default none."""
+        return {}
 
     # -- worker-process handlers ---------------------------------------------------
 
@@ -212,8 +251,15 @@ class Tool:
             raise ToolConfigError(f"tool {self.name!r}: granularity must be a Granularity")
         if self.parameters.get("type", "object") != "object":
             raise ToolConfigError(f"tool {self.name!r}: parameters must describe an object")
-        if self.timeout_s <= 0 or self.workers < 1:
-            raise ToolConfigError(f"tool {self.name!r}: timeout_s and workers must be positive")
+        if self.timeout_s <= 0 or self.workers < 1 or self.memory_mb < 1 or self.cpu_s <= 0:
+            raise ToolConfigError(f"tool {self.name!r}: timeout_s, workers, memory_mb and cpu_s must be positive")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(self.env).items()):
+            raise ToolConfigError(f"tool {self.name!r}: env must map strings to strings")
+        if not isinstance(self.settings_schema, dict) or self.settings_schema.get("type", "object") != "object":
+            raise ToolConfigError(f"tool {self.name!r}: settings_schema must describe an object")
+        from jsonschema import validators
+
+        validators.validator_for(self.settings_schema).check_schema(self.settings_schema)
         self._validators()  # raises jsonschema.SchemaError on a broken schema
 
     def validate_field(self, key: str, value: Any) -> None:

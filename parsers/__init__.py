@@ -23,6 +23,7 @@ from .events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from .formats import FormatError, ToolFormat, check_format
 from .json_formats import HermesParser, Llama3JsonParser, MistralParser
 from .plan import PlanParser
 from .pythonic import PythonicParser
@@ -32,6 +33,7 @@ __all__ = [
     "DuplicateParserError",
     "Event",
     "FieldComplete",
+    "FormatError",
     "HermesParser",
     "LineComplete",
     "Llama3JsonParser",
@@ -46,7 +48,9 @@ __all__ = [
     "Text",
     "ToolCallEnd",
     "ToolCallStart",
+    "ToolFormat",
     "UnknownParserError",
+    "check_format",
     "counting_ids",
     "random_call_id",
 ]

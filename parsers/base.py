@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from .events import Event, Text, ToolCallStart
 
@@ -90,6 +90,19 @@ class StreamingParser:
 
     #: Registry name of the format; informational.
     name: ClassVar[str] = ""
+    #: How this parser's format is written (contract 4, :class:`~interlace.parsers.formats.ToolFormat`):
+    #: prompt instructions, call/result rendering, call-end markers, special tokens, grammar.
+    #: Every registered parser must set it; :meth:`ParserRegistry.register` checks.
+    format: ClassVar[Any] = None
+
+    @property
+    def in_call(self) -> bool:
+        """Whether a call (or call list) has begun and is not complete yet.
+
+        A pause at one of ``format.call_end`` while this is true is spurious
+        (the marker occurred inside arguments): decoding should go on.
+        """
+        return False
 
     def __init__(self, *, id_factory: IdFactory | None = None) -> None:
         self._buf = ""
@@ -194,10 +207,19 @@ class ParserRegistry:
         self._factories: dict[str, ParserFactory] = {}
 
     def register(self, name: str, factory: ParserFactory) -> None:
+        """Add a parser; refuses one whose factory has no valid ``format`` (contract 4).
+
+        Checking here makes a plugin with an incomplete parser fail when the
+        gateway starts (the registry is filled then), with a message naming it,
+        rather than falling back to another format's prompt on every request.
+        """
+        from .formats import check_format
+
         if not name or not isinstance(name, str):
             raise ValueError(f"parser name must be a non-empty string, got {name!r}")
         if name in self._factories:
             raise DuplicateParserError(f"parser {name!r} is already registered")
+        check_format(getattr(factory, "format", None), f"{name!r} ({getattr(factory, '__qualname__', factory)!r})")
         self._factories[name] = factory
 
     def get(self, name: str) -> ParserFactory:

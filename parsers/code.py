@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from .base import IdFactory, StreamingParser, quietly
 from .events import ArgumentsDelta, LineComplete, ParserError, ToolCallEnd
+from .formats import MARKDOWN
 
 _BLOCK_WORDS = frozenset(("def", "class", "if", "for", "while", "with", "try", "async", "match"))
 _CONTINUATIONS = frozenset(("else", "elif", "except", "finally"))
@@ -150,6 +151,7 @@ class MarkdownCodeParser(StreamingParser):
     """
 
     name = "markdown"
+    format = MARKDOWN
     FENCE = "```"
 
     def __init__(
@@ -169,6 +171,10 @@ class MarkdownCodeParser(StreamingParser):
         self._code: list[str] = []
         self._sent = 0  # characters of the current partial line already in a delta
         self._splitter: PythonStatementSplitter | None = None
+
+    @property
+    def in_call(self) -> bool:
+        return self._state == "code"
 
     def _feed(self) -> None:  # noqa: C901
         while True:
@@ -256,7 +262,10 @@ class MarkdownCodeParser(StreamingParser):
         self._state = "text"
 
     def _finish(self) -> None:
-        if self._state == "code":
+        if self._state == "code" and self._buf.strip() == self.FENCE:
+            self._buf = ""  # a closing fence at the very end of the stream (no newline after it)
+            self._close()
+        elif self._state == "code":
             partial = self._buf
             if partial and partial.strip() != self.FENCE:
                 self._code.append(partial)

@@ -8,11 +8,16 @@ envelope state machine around it.
 
 from __future__ import annotations
 
+import re
+
 from .base import IdFactory, StreamingParser, split_text
 from .events import ParserError
+from .formats import HERMES, LLAMA3_JSON, MISTRAL
 from .jsonscan import JsonCall
 
 _WS = " \t\r\n"
+_RESYNC = re.compile(r'["\\{}\[\]]')
+_NAME_CHARS = re.compile(r"[\w.\-]*")
 
 
 class _JsonEnvelopeParser(StreamingParser):
@@ -66,10 +71,67 @@ class _JsonEnvelopeParser(StreamingParser):
         assert call is not None and call.error is not None
         self._out.append(ParserError(call.index, call.error, call.text[: call.pos]))
 
+    def _start_resync(self, after: str) -> None:
+        """After a malformed call, skip to the end of its object, then go to state ``after``.
+
+        The broken object's brackets and strings are tracked from the point of
+        failure on, so valid sibling calls after it are still read (as vLLM and
+        SGLang salvage them).  A call broken so that its object never closes
+        (an unterminated string) swallows the rest of the stream, as before.
+        """
+        call = self._call
+        assert call is not None
+        self._rs_depth = len(call.stack)
+        self._rs_str = call.in_str
+        self._rs_after = after
+        self._state = "resync" if self._rs_depth else after
+
+    def _resync(self) -> bool:
+        """Consume ``_buf`` up to the end of the broken object; True once there."""
+        buf = self._buf
+        i, n = 0, len(buf)
+        depth, in_str = self._rs_depth, self._rs_str
+        while i < n:
+            m = _RESYNC.search(buf, i)
+            if m is None:
+                i = n
+                break
+            i = m.start()
+            c = buf[i]
+            if in_str:
+                if c == "\\":
+                    if i + 1 >= n:
+                        break
+                    i += 2
+                    continue
+                if c == '"':
+                    in_str = False
+            elif c == '"':
+                in_str = True
+            elif c in "{[":
+                depth += 1
+            else:
+                depth -= 1
+                if depth == 0:
+                    self._buf = buf[i + 1 :]
+                    self._state = self._rs_after
+                    return True
+            i += 1
+        self._rs_depth, self._rs_str = depth, in_str
+        self._buf = buf[i:]
+        return False
+
     def _unterminated(self) -> None:
         call = self._call
         assert call is not None
         self._out.append(ParserError(call.index, "unterminated tool call", call.text))
+
+    #: states in which a call (or call list) has begun and is not complete
+    _CALL_STATES: frozenset[str] = frozenset()
+
+    @property
+    def in_call(self) -> bool:
+        return self._state in self._CALL_STATES
 
 
 class HermesParser(_JsonEnvelopeParser):
@@ -83,8 +145,10 @@ class HermesParser(_JsonEnvelopeParser):
     """
 
     name = "hermes"
+    format = HERMES
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
+    _CALL_STATES = frozenset(("pre", "call"))
 
     def _feed(self) -> None:  # noqa: C901
         while True:
@@ -160,16 +224,20 @@ class MistralParser(_JsonEnvelopeParser):
 
     Also accepts a single object instead of a list, and the v11 tokenizer
     format of Mistral Small 3.2 / Magistral / Devstral,
-    ``[TOOL_CALLS]name[ARGS]{...}`` (one marker per call).  Everything after
-    ``[TOOL_CALLS]`` belongs to calls, so after a malformed call the rest of the
-    stream is discarded: a call that had started fails at once (``ParserError``
-    with its index); a broken envelope (no call started) is reported at end of
-    stream with everything it swallowed as ``raw``.
+    ``[TOOL_CALLS]name[ARGS]{...}`` (one marker per call), including the way
+    it decodes when ``[ARGS]`` is skipped as a special token,
+    ``[TOOL_CALLS]name{...}`` (vLLM's and SGLang's test outputs).  A malformed
+    call fails (``ParserError`` with its index) and is skipped to the end of
+    its object, so valid sibling calls after it are still read; a broken
+    envelope (no call started) discards the rest of the stream and is reported
+    at its end with everything it swallowed as ``raw``.
     """
 
     name = "mistral"
+    format = MISTRAL
     MARK = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
+    _CALL_STATES = frozenset(("open", "v11name", "elem", "call", "sep", "resync"))
 
     def __init__(self, *, id_factory: IdFactory | None = None) -> None:
         super().__init__(id_factory=id_factory)
@@ -206,21 +274,20 @@ class MistralParser(_JsonEnvelopeParser):
                 else:
                     self._envelope_error("expected '[' after [TOOL_CALLS]")
             elif st == "v11name":
-                k = buf.find(self.ARGS)
-                end = k if k != -1 else split_text(buf, (self.ARGS,))[0]
-                if not all(ch.isalnum() or ch in "_-." for ch in buf[:end].strip(_WS)):
-                    self._envelope_error("bad function name after [TOOL_CALLS]")
-                    continue
-                if k == -1:
-                    return
-                name = buf[:k].strip(_WS)
-                rest = buf[k + len(self.ARGS) :].lstrip(_WS)
+                k = _NAME_CHARS.match(buf).end()  # type: ignore[union-attr]
+                rest = buf[k:].lstrip(_WS)
                 if not rest:
-                    return  # wait for the '{' (the name is re-read next time)
-                if rest[0] != "{" or not name:
-                    self._envelope_error("expected '{' after [ARGS]")
+                    return  # the name may go on (it is re-read next time)
+                if rest.startswith(self.ARGS):
+                    rest = rest[len(self.ARGS) :].lstrip(_WS)
+                    if not rest:
+                        return
+                elif self.ARGS.startswith(rest):
+                    return
+                if rest[0] != "{":
+                    self._envelope_error("expected [ARGS] or '{' after the function name")
                     continue
-                self._call = JsonCall(self, name=name)
+                self._call = JsonCall(self, name=buf[:k])
                 self._buf = rest
                 self._single = True
                 self._state = "call"
@@ -241,11 +308,12 @@ class MistralParser(_JsonEnvelopeParser):
                 r = self._run_call()
                 if r == "wait":
                     return
+                after = "text" if self._single else "sep"
                 if r == "error":
                     self._call_error()
-                    self._state = "skip"
+                    self._start_resync(after)
                 else:
-                    self._state = "text" if self._single else "sep"
+                    self._state = after
             elif st == "sep":
                 rest = buf.lstrip(_WS)
                 if not rest:
@@ -258,7 +326,10 @@ class MistralParser(_JsonEnvelopeParser):
                     self._state = "text"
                 else:
                     self._envelope_error("expected ',' or ']' between tool calls")
-            else:  # skip: everything after a broken call is discarded
+            elif st == "resync":
+                if not self._resync():
+                    return
+            else:  # skip: everything after a broken envelope is discarded
                 self._skipped(buf)
                 self._buf = ""
                 return
@@ -280,16 +351,21 @@ class Llama3JsonParser(_JsonEnvelopeParser):
     """Llama 3.1/3.2/3.3 JSON tool calls.
 
     ``<|python_tag|>{"name": ..., "parameters": {...}}``, or a bare
-    ``{"name": ...}`` object at the very start of the output; several calls are
-    separated by ``;``.  A bare leading ``{`` is *tentative*: if its object turns
-    out not to be a call (a non-call key, no name, invalid JSON before the name),
-    the text is returned as ``Text``, so JSON answers pass through.  Anything
-    after ``<|python_tag|>`` that is not a JSON object (Llama's built-in
-    ``brave_search.call(...)`` syntax) is also returned as ``Text``.
+    ``{"name": ...}`` object at the very start of the output; text before
+    ``<|python_tag|>`` is ``Text``.  Several calls are separated by ``;`` or
+    just whitespace (a newline), as vLLM and SGLang accept.  A bare ``{`` (at
+    the start, or after a call without ``;``) is *tentative*: if its object
+    turns out not to be a call (a non-call key, no name, invalid JSON before
+    the name), the text is returned as ``Text``, so JSON answers pass through.
+    Anything after ``<|python_tag|>`` that is not a JSON object (Llama's
+    built-in ``brave_search.call(...)`` syntax) is also returned as ``Text``.
+    A malformed call is skipped to the end of its object; later calls are read.
     """
 
     name = "llama3_json"
+    format = LLAMA3_JSON
     MARK = "<|python_tag|>"
+    _CALL_STATES = frozenset(("pre", "call", "resync"))
 
     def __init__(self, *, id_factory: IdFactory | None = None) -> None:
         super().__init__(id_factory=id_factory)
@@ -354,7 +430,7 @@ class Llama3JsonParser(_JsonEnvelopeParser):
                     self._state = "text"
                 else:
                     self._call_error()
-                    self._state = "skip"
+                    self._start_resync("sep")
             elif st == "sep":
                 rest = buf.lstrip(_WS)
                 if not rest:
@@ -364,8 +440,16 @@ class Llama3JsonParser(_JsonEnvelopeParser):
                     self._tentative = False
                     self._prefix = ""
                     self._state = "pre"
+                elif rest[0] == "{":  # newline-separated calls
+                    self._prefix = buf[: len(buf) - len(rest)]
+                    self._buf = rest
+                    self._tentative = True
+                    self._state = "pre"
                 else:
                     self._state = "text"
+            elif st == "resync":
+                if not self._resync():
+                    return
             else:  # skip
                 self._buf = ""
                 return
@@ -374,7 +458,7 @@ class Llama3JsonParser(_JsonEnvelopeParser):
         st = self._state
         if st in ("start", "text"):
             self._emit_text(self._buf)
-        elif st == "pre" and self._prefix:
+        elif st == "pre" and self._prefix and not self._tentative:
             self._out.append(ParserError(None, "unterminated tool call", self._buf))
         elif st == "call":
             call = self._call

@@ -44,6 +44,23 @@ _NESTED = 4  # inside an object / array value
 _AFTER = 5  # value done, expecting ',' or '}'
 
 ARGS_KEYS = frozenset(("arguments", "parameters"))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+#: ``json.loads`` that rejects ``NaN``/``Infinity`` and overflowing numbers
+#: (``1e999``): Python accepts them, but they are not JSON and an OpenAI client
+#: would fail on the arguments, so a call holding them is malformed.
+loads = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float).decode
 #: Keys a real call object may start with; used to give up early on a bare JSON
 #: answer that merely starts with ``{`` (llama3_json's tentative mode).
 CALL_KEYS = frozenset(("name", "arguments", "parameters", "type", "id", "function"))
@@ -61,6 +78,7 @@ class JsonCall:
     __slots__ = (
         "p", "text", "pos", "stack", "modes", "keys", "vstart", "in_str", "str_start",
         "done", "end", "error", "index", "name", "pending", "args_from", "bare", "tentative", "args_sent",
+        "sc",
     )
 
     def __init__(self, parser: StreamingParser, *, name: str | None = None, tentative: bool = False) -> None:
@@ -83,6 +101,7 @@ class JsonCall:
         self.bare = name is not None
         self.tentative = tentative
         self.args_sent = False  # whether any ArgumentsDelta went out
+        self.sc = -1  # start of a scalar inside an array or deeper than the arguments' fields
         if name is not None:
             self._begin(name)
             self.args_from = 0
@@ -98,16 +117,27 @@ class JsonCall:
         self.text = text
         del text
         self._scan()
-        if not self.done and self.error is None and self.args_from >= 0 and self.pos > self.args_from:
-            self._delta(self.text[self.args_from : self.pos])
-            self.args_from = self.pos
+        if not self.done and self.error is None and self.args_from >= 0:
+            # A number or literal still being written is held back until it is
+            # known to be JSON (``NaN``, ``1e999`` are not), so clients never get one.
+            upto = self.pos
+            d = len(self.stack)
+            if self.sc >= 0:
+                upto = self.sc
+            elif d <= 2 and self.modes[d] == _SCALAR:
+                upto = self.vstart[d]
+            if upto > self.args_from:
+                self._delta(self.text[self.args_from : upto])
+                self.args_from = upto
 
-    def _fail(self, msg: str, at: int) -> bool:
+    def _fail(self, msg: str, at: int, emit_to: int | None = None) -> bool:
         # Deltas up to the failure point go out first, so the events do not
-        # depend on whether earlier deltas were flushed at a feed boundary.
-        if self.args_from >= 0 and at > self.args_from:
-            self._delta(self.text[self.args_from : at])
-            self.args_from = -1
+        # depend on whether earlier deltas were flushed at a feed boundary;
+        # a bad scalar itself (``emit_to``: its start) is never sent.
+        cut = at if emit_to is None else emit_to
+        if self.args_from >= 0 and cut > self.args_from:
+            self._delta(self.text[self.args_from : cut])
+        self.args_from = -1
         self.error = msg
         self.pos = at
         return False
@@ -137,7 +167,7 @@ class JsonCall:
                     mode = modes[d]
                     if mode == _KEY:
                         try:
-                            key = json.loads(s[self.str_start : i])
+                            key = loads(s[self.str_start : i])
                         except ValueError as e:
                             self._fail(f"bad key string: {e}", i)
                             return
@@ -153,6 +183,16 @@ class JsonCall:
                 continue
             c = s[i]
             d = len(stack)
+            if self.sc >= 0:  # an untracked scalar (in an array, or deeper): validate it as it ends
+                if c not in _SCALAR_END:
+                    i += 1
+                    continue
+                try:
+                    loads(s[self.sc : i])
+                except ValueError as e:
+                    self._fail(f"bad value: {e}", i, self.sc)
+                    return
+                self.sc = -1
             if d <= 2 and modes[d] == _SCALAR:
                 if c in _SCALAR_END:
                     modes[d] = _AFTER
@@ -233,6 +273,8 @@ class JsonCall:
                     return
                 modes[d] = _SCALAR
                 self.vstart[d] = i
+            else:
+                self.sc = i
             i += 1
         self.pos = i
 
@@ -248,7 +290,7 @@ class JsonCall:
         if d == 1:
             if key == "name":
                 try:
-                    name = json.loads(span)
+                    name = loads(span)
                 except ValueError as e:
                     return self._fail(f"bad name: {e}", end)
                 if not isinstance(name, str) or not name:
@@ -261,8 +303,8 @@ class JsonCall:
                     self.args_from = -1
                 elif span[0] == '"':  # arguments given as a JSON-encoded string
                     try:
-                        encoded = json.loads(span)
-                        args = json.loads(encoded)
+                        encoded = loads(span)
+                        args = loads(encoded)
                     except ValueError as e:
                         return self._fail(f"bad arguments string: {e}", end)
                     if not isinstance(args, dict):
@@ -277,9 +319,12 @@ class JsonCall:
 
     def _field(self, key: str, span: str, end: int) -> bool:
         try:
-            value = json.loads(span)
+            value = loads(span)
         except ValueError as e:
-            return self._fail(f"bad value for {key!r}: {e}", end)
+            # a bad number/literal was held back whole and is not sent; a string or container
+            # may have been streamed in part already, so the cut stays where it failed
+            scalar = span[:1] not in ('"', "{", "[")
+            return self._fail(f"bad value for {key!r}: {e}", end, end - len(span) if scalar else None)
         if self.args_from >= 0 and end > self.args_from:
             self._delta(self.text[self.args_from : end])
             self.args_from = end
@@ -289,7 +334,7 @@ class JsonCall:
     def _close(self, end: int) -> None:
         raw = self.text[:end]
         try:
-            obj = json.loads(raw)
+            obj = loads(raw)
         except ValueError as e:
             self._fail(f"invalid JSON: {e}", end)
             return
@@ -302,7 +347,7 @@ class JsonCall:
                     args = obj[k]
                     break
             if isinstance(args, str):
-                args = json.loads(args)  # validated in _member
+                args = loads(args)  # validated in _member
         if self.name is None:
             self._fail("tool call has no name", end)
             return

@@ -33,6 +33,7 @@ from typing import Any
 
 from .base import IdFactory, StreamingParser, quietly
 from .events import ArgumentsDelta, ParserError, ToolCallEnd
+from .formats import PLAN
 
 _STEP = re.compile(r"\s*(?:\$(\d+)\s*=|(\d+)\.)\s*(.*?)\s*;?\s*\Z", re.S)
 _CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\((.*)\)\Z", re.S)
@@ -87,6 +88,10 @@ def parse_step(line: str) -> tuple[int, str, dict[str, Any]] | str | None:
             raise ValueError("**kwargs not supported")
     except (SyntaxError, ValueError, TypeError, AssertionError, RecursionError):
         return f"step {step}: arguments are not literals: {argtext!r}" if dollar or argtext.strip() else None
+    try:  # JSON data only: no NaN/inf (1e999), sets or bytes, which OpenAI clients cannot read
+        args, kwargs = json.loads(json.dumps([args, kwargs], allow_nan=False))
+    except (TypeError, ValueError):
+        return f"step {step}: arguments are not JSON data (finite numbers, strings, lists, dicts): {argtext!r}"
     deps = sorted({int(d) for d in _REF.findall(argtext)})
     return step, name, {"step": step, "args": args, "kwargs": kwargs, "depends_on": deps}
 
@@ -95,6 +100,7 @@ class PlanParser(StreamingParser):
     """One tool call per ``$N = tool(args)`` line; see the module docstring."""
 
     name = "plan"
+    format = PLAN
 
     def __init__(self, *, id_factory: IdFactory | None = None) -> None:
         super().__init__(id_factory=id_factory)

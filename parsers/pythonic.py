@@ -7,7 +7,10 @@ keyword argument is evaluated with :func:`ast.literal_eval` the moment its
 carries a JSON rendering of the arguments built field by field, so OpenAI
 clients see JSON whatever the model wrote.
 
-A leading ``[`` is tentative until ``[name(`` is seen: ``[1] See ...`` is text.
+A ``[`` is tentative until ``[name(`` is seen: ``[1] See ...`` is text.  A
+list may follow prose (``Sure: [f(x=1)]``) or another list, as SGLang's
+pythonic detector reads them; the gateway drops calls to tools that were not
+offered, so prose that merely looks like a call cannot run anything.
 Positional arguments are not part of the format and make the call a
 ``ParserError``; after a broken call the rest of the list is discarded.
 """
@@ -21,6 +24,7 @@ from typing import Any
 
 from .base import IdFactory, StreamingParser, quietly, split_text
 from .events import ArgumentsDelta, FieldComplete, ParserError, ToolCallEnd
+from .formats import PYTHONIC
 
 _WS = " \t\r\n"
 _SPECIAL = re.compile(r"[\"'()\[\]{},]")
@@ -29,12 +33,36 @@ _CALL_HEAD = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 _MAYBE_HEAD = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?\Z")
 _NAME = re.compile(r"[A-Za-z_][\w.]*\Z")
 _KWARG = re.compile(r"\s*([A-Za-z_]\w*)\s*=(?!=)(.*)\Z", re.S)
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(text: str) -> Any:
+    """A Python literal; JSON's ``true``/``false``/``null`` are accepted too.
+
+    Models trained on JSON tool calls write them inside pythonic calls, and the
+    format's grammar writes JSON values; ``ast.literal_eval`` alone refuses them.
+    """
+    try:
+        return quietly(ast.literal_eval, text)
+    except ValueError:
+        if not any(n in text for n in _JSON_NAMES):
+            raise
+    tree = quietly(ast.parse, text, "<arg>", "eval")
+
+    class _Names(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.AST:
+            if node.id in _JSON_NAMES:
+                return ast.copy_location(ast.Constant(_JSON_NAMES[node.id]), node)
+            return node
+
+    return ast.literal_eval(_Names().visit(tree).body)
 
 
 class PythonicParser(StreamingParser):
     """``[f(a=1, b="x"), g()]`` tool-call lists; see the module docstring."""
 
     name = "pythonic"
+    format = PYTHONIC
     START = "<|python_start|>"
     END = "<|python_end|>"
 
@@ -52,6 +80,11 @@ class PythonicParser(StreamingParser):
         self._index: int | None = None  # index of the call being read
         self._call_name = ""
         self._fields: dict[str, Any] = {}
+        self._broken = False  # the current call failed: skip to its ')' and read the next one
+
+    @property
+    def in_call(self) -> bool:
+        return self._state in ("open", "cand", "list")
 
     def _feed(self, final: bool = False) -> None:  # noqa: C901
         while True:
@@ -73,9 +106,21 @@ class PythonicParser(StreamingParser):
                 else:
                     self._state = "text"
             elif st == "text":
-                end, marker = split_text(buf, (self.START,))
+                end, marker = split_text(buf, (self.START, "["))
                 if final and marker is None:
                     end = len(buf)
+                if marker == "[":  # a call list after prose, as SGLang reads it: "Sure: [f(x=1)]"
+                    if _CALL_HEAD.match(buf, end) or (not final and _MAYBE_HEAD.match(buf, end)):
+                        self._emit_text(buf[:end])
+                        self._buf = buf[end:]
+                        if not _CALL_HEAD.match(buf, end):
+                            return  # wait: "[name" may still become "[name("
+                        self._prefix = ""
+                        self._state = "cand"
+                    else:
+                        self._emit_text(buf[: end + 1])
+                        self._buf = buf[end + 1 :]
+                    continue
                 self._emit_text(buf[:end])
                 if marker is None:
                     self._buf = buf[end:]
@@ -181,6 +226,7 @@ class PythonicParser(StreamingParser):
                         return
                     self._call_name = name
                     self._fields = {}
+                    self._broken = False
                     self._index = self._start_call(name)
                     self._arg_start = i + 1
                 depth += 1
@@ -189,11 +235,14 @@ class PythonicParser(StreamingParser):
             if c == ")" or c == "]" or c == "}":
                 depth -= 1
                 if depth == 1:
-                    if c != ")" or not self._arg(s[self._arg_start : i], i):
-                        if self._state != "skip":
-                            self._error(f"unexpected {c!r}", i)
+                    if c != ")":
+                        self._error(f"unexpected {c!r}", i)
                         return
-                    self._end_call()
+                    if not self._broken:
+                        self._arg(s[self._arg_start : i], i)
+                    if not self._broken:
+                        self._end_call()
+                    self._broken = False
                     self._item_start = i + 1
                 elif depth == 0:
                     if c != "]" or s[self._item_start : i].strip(_WS):
@@ -207,8 +256,8 @@ class PythonicParser(StreamingParser):
                 continue
             # c == ","
             if depth == 2:
-                if not self._arg(s[self._arg_start : i], i):
-                    return
+                if not self._broken:
+                    self._arg(s[self._arg_start : i], i)
                 self._arg_start = i + 1
             elif depth == 1:
                 if s[self._item_start : i].strip(_WS):
@@ -218,30 +267,39 @@ class PythonicParser(StreamingParser):
             i += 1
         self._pos, self._depth, self._quote = i, depth, q
 
-    def _arg(self, text: str, at: int) -> bool:
-        """One ``key=value`` argument is complete: evaluate and emit it."""
+    def _arg(self, text: str, at: int) -> None:
+        """One ``key=value`` argument is complete: evaluate and emit it.
+
+        A bad argument fails its call only (:meth:`_call_failed`); the scan goes
+        on to the call's ``)`` and reads the sibling calls after it.
+        """
         if not text.strip(_WS):
-            return True  # f() or a trailing comma
+            return  # f() or a trailing comma
         m = _KWARG.match(text)
         if not m:
-            self._error(f"positional argument not supported: {text.strip()!r}", at)
-            return False
+            self._call_failed(f"positional argument not supported: {text.strip()!r}", at)
+            return
         key = m.group(1)
         try:
-            value = quietly(ast.literal_eval, m.group(2).strip(_WS))
-            encoded = json.dumps(value)
+            value = _literal(m.group(2).strip(_WS))
+            encoded = json.dumps(value, allow_nan=False)  # NaN / inf (1e999) are not JSON
             if not isinstance(value, (str, int, float, bool)) and value is not None:
                 value = json.loads(encoded)  # tuples -> lists: what a JSON client would see
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            self._error(f"bad value for {key!r}: not a literal: {m.group(2).strip(_WS)!r}", at)
-            return False
+            self._call_failed(f"bad value for {key!r}: not a JSON-compatible literal (finite numbers, strings, "
+                              f"booleans, None, lists, dicts): {m.group(2).strip(_WS)!r}", at)
+            return
         index = self._index
         assert index is not None
         sep = ", " if self._fields else "{"
         self._fields[key] = value
         self._out.append(ArgumentsDelta(index, f"{sep}{json.dumps(key)}: {encoded}"))
         self._out.append(FieldComplete(index, key, value))
-        return True
+
+    def _call_failed(self, msg: str, at: int) -> None:
+        self._out.append(ParserError(self._index, msg, self._s[self._item_start : at + 1].strip(_WS + ",")))
+        self._index = None
+        self._broken = True
 
     def _end_call(self) -> None:
         index = self._index

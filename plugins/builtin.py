@@ -8,7 +8,7 @@ settings reach tools without this hook knowing about configuration at all.
 
 from __future__ import annotations
 
-from interlace.gateway.hookspecs import hookimpl
+from interlace import hookimpl
 
 from .calculator import CalculatorTool
 from .format_tool import FormatTool

@@ -5,9 +5,10 @@ interpreter that knows numbers, ``+ - * / // % **``, unary signs,
 parentheses and a fixed table of :mod:`math` functions and constants.
 Anything else (names, attributes, calls of other things, strings,
 comprehensions...) is rejected before evaluation, so ``__import__('os')``
-never gets near a runtime.  Integer results are capped in size and ``**`` is
-checked *before* it is computed, because ``9**9**9`` would otherwise pin a
-worker for minutes.
+never gets near a runtime.  Integer results are capped in size, and ``**``
+and ``round``'s ``ndigits`` are checked *before* anything is computed,
+because ``9**9**9`` or ``round(1, -10**8)`` would otherwise pin a worker for
+minutes (the runtime's CPU and wall-time limits are the backstop).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from interlace.gateway.tools import Granularity, InvalidToolArguments, Tool, ToolError
+from interlace import Granularity, InvalidToolArguments, Tool, ToolError
 
 __all__ = ["CalculatorTool", "evaluate", "CalculatorError"]
 
 MAX_EXPRESSION_CHARS = 1000
 MAX_INT_BITS = 4096  # ~1233 decimal digits
 MAX_FACTORIAL = 1000
+MAX_NDIGITS = 1000  # round(x, n): |n| beyond this would build 10**|n| (round(1, -10**8) ran for minutes)
 
 Number = int | float
 
@@ -41,12 +43,23 @@ def _factorial(n: Number) -> int:
     return math.factorial(n)
 
 
+def _round(number: Number, ndigits: Number | None = None) -> Number:
+    """``round`` with ``ndigits`` bounded: CPython computes ``10 ** -ndigits`` for an int."""
+    if ndigits is not None:
+        if not isinstance(ndigits, int):
+            raise CalculatorError("round() ndigits must be an integer")
+        if abs(ndigits) > MAX_NDIGITS:
+            raise CalculatorError(f"round() ndigits beyond ±{MAX_NDIGITS}")
+        return round(number, ndigits)
+    return round(number)
+
+
 FUNCTIONS: dict[str, Callable[..., Number]] = {
     **{name: getattr(math, name) for name in (
         "sqrt", "exp", "log", "log10", "log2", "sin", "cos", "tan", "asin", "acos", "atan", "atan2",
         "sinh", "cosh", "tanh", "hypot", "degrees", "radians", "floor", "ceil", "fabs", "gcd", "trunc")},
     "abs": abs,
-    "round": round,
+    "round": _round,
     "min": min,
     "max": max,
     "factorial": _factorial,
@@ -146,8 +159,16 @@ class CalculatorTool(Tool):
         "required": ["expression"],
         "additionalProperties": False,
     }
+    settings_schema: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
     granularity = Granularity.ON_FIELD
     timeout_s = 5.0
+    workers = 2
+    memory_mb = 256
+
+    def info(self) -> dict[str, Any]:
+        """What the tool can reach: nothing but arithmetic on bounded numbers."""
+        return {"reaches": "nothing: arithmetic on an AST whitelist, no eval",
+                "max_int_bits": MAX_INT_BITS, "max_expression_chars": MAX_EXPRESSION_CHARS}
 
     def configure(self, settings: Mapping[str, Any]) -> None:
         self.timeout_s = float(settings.get("timeout_s", self.timeout_s))

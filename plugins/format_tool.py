@@ -14,7 +14,7 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from interlace.gateway.tools import Granularity, Tool, ToolError
+from interlace import Granularity, Tool, ToolError
 
 __all__ = ["FormatTool", "safe_format", "FormatError"]
 
@@ -81,8 +81,16 @@ class FormatTool(Tool):
         "required": ["template"],
         "additionalProperties": False,
     }
+    settings_schema: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
     granularity = Granularity.ON_FINISH
     timeout_s = 5.0
+    workers = 2
+    memory_mb = 256
+
+    def info(self) -> dict[str, Any]:
+        """What the tool can reach: only the values passed in the call."""
+        return {"reaches": "nothing: str.format on the call's own values, no attribute or index access",
+                "max_output_chars": MAX_OUTPUT_CHARS}
 
     def on_finish(self, arguments: dict[str, Any]) -> str:
         return safe_format(arguments["template"], arguments.get("values") or {})

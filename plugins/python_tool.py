@@ -7,21 +7,31 @@ friends cost nothing by the time the code is complete.  ``on_finish`` then
 runs only what the stream did not deliver (or everything, with partial
 execution off), so both modes give the same result.
 
-Containment, in each worker (see :func:`probe_isolation` for what is in force):
+Containment (docs/security.md, "Tool execution", says what it does *not*
+cover).  The tool runtime gives every call:
 
-* a private network namespace (only a down loopback), when the kernel lets
-  us create one: ``unshare(CLONE_NEWNET)`` as root, or inside a new user
-  namespace otherwise.  Done before any import starts threads, because
-  ``CLONE_NEWUSER`` requires a single-threaded process;
-* ``RLIMIT_AS`` (memory) and ``RLIMIT_FSIZE`` for the worker's life, and a per-call
-  ``RLIMIT_CPU`` budget (SIGXCPU is turned into an exception that ends the
-  call, not the worker);
-* a scratch working directory, removed when the runtime closes;
-* wall-clock time is bounded by the runtime's ``timeout_s`` (worker killed).
+* a fresh process (``process_per_call``): pre-spawned as a warm spare that
+  has done the warm imports, killed with its whole process group and every
+  descendant when the call ends, so no state, thread or child process
+  survives into another call or another API key's call;
+* a private scratch directory as cwd, ``HOME`` and ``TMPDIR``, removed after
+  the call;
+* a clean environment (``PATH``, ``LANG``, ``HOME``, ``TMPDIR``, the
+  ``env`` setting): never the gateway's API keys;
+* ``RLIMIT_AS`` = ``memory_mb`` and a CPU budget of ``cpu_s`` (a
+  ``CPUTimeExceeded`` error first, SIGKILL one second later from a hard
+  ``RLIMIT_CPU``), and the wall-time limit ``timeout_s``.
 
-This confines mistakes, not a determined attacker: the code runs as the
-gateway's user and may, for example, raise its own soft limits.  Run the
-gateway in a container if untrusted users reach this tool.
+This tool adds, in :meth:`PythonTool.worker_init`, before any import starts
+a thread:
+
+* a private network namespace (only a down loopback): ``unshare(CLONE_NEWNET)``
+  as root, or inside a new user namespace otherwise.  Where the OS refuses,
+  the tool refuses to start unless its settings say ``allow_unisolated: true``;
+* ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_NPROC`` with soft == hard,
+  so the code cannot raise them.  ``RLIMIT_NPROC`` counts every process of
+  the real uid and is not enforced for root (reported as such by
+  :meth:`PythonTool.info`).
 """
 
 from __future__ import annotations
@@ -31,11 +41,12 @@ import builtins
 import ctypes
 import importlib
 import io
+import json
 import os
 import resource
 import shutil
-import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -43,17 +54,19 @@ from collections.abc import Mapping
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
-from interlace.gateway.tools import Granularity, Tool, ToolConfigError
+from interlace import Granularity, Tool, ToolConfigError
 
-__all__ = ["PythonTool", "probe_isolation", "isolate_network"]
+__all__ = ["PythonTool", "probe_isolation", "isolate_network", "NETWORK_ISOLATION_LABELS"]
 
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _FILENAME = "<tool:python>"
-
-
-class CPUTimeExceeded(BaseException):
-    """Raised from the SIGXCPU handler.  A BaseException so ``except Exception`` in user code cannot swallow it."""
+#: ``isolate_network()``'s answer -> what ``info()`` reports as ``network_isolation``.
+NETWORK_ISOLATION_LABELS = {
+    "netns": "private network namespace",
+    "userns+netns": "private network namespace (in a new user namespace)",
+    None: "none",
+}
 
 
 def isolate_network() -> str | None:
@@ -98,13 +111,54 @@ def _network_interfaces() -> list[str]:
         return []
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+def _probe_main() -> None:
+    """Entry of the probe process: try to isolate, print what happened as JSON."""
+    how = isolate_network()
+    print(json.dumps({"network_namespace": how, "network_interfaces": _network_interfaces()}))
 
 
-def _on_sigxcpu(signum: int, frame: Any) -> None:
-    raise CPUTimeExceeded("CPU time limit exceeded")
+def probe_isolation(settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Start a throw-away process, isolate its network as a worker would, report the outcome.
+
+    Returns ``{"network_namespace": "netns" | "userns+netns" | None,
+    "network_interfaces": [...]}``.  Costs one interpreter start (no warm
+    imports); the python tool runs it once, at set-up.
+    """
+    del settings  # kept for callers of the old signature: isolation does not depend on them
+    proc = subprocess.run(
+        [sys.executable, "-c", "from interlace.plugins.python_tool import _probe_main; _probe_main()"],
+        env={"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8")},
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    try:
+        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        raise RuntimeError(f"python tool: the isolation probe failed:\n{proc.stderr.strip()}") from None
+
+
+def _set_hard_limit(name: str, value: int) -> int | None:
+    """``soft == hard == value`` (never above an existing hard limit), so the code cannot raise it."""
+    res = getattr(resource, name)
+    hard = resource.getrlimit(res)[1]
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    try:
+        resource.setrlimit(res, (value, value))
+    except (ValueError, OSError):
+        return None
+    return value
+
+
+def _tasks_of_real_uid() -> int:
+    """Processes and threads of this real uid: what RLIMIT_NPROC is compared with."""
+    import psutil
+
+    uid, count = os.getuid(), 0
+    for proc in psutil.process_iter(["uids", "num_threads"]):
+        uids = proc.info.get("uids")
+        if uids is not None and uids.real == uid:
+            count += proc.info.get("num_threads") or 1
+    return count
 
 
 class _CappedText(io.TextIOBase):
@@ -133,14 +187,15 @@ class _CappedText(io.TextIOBase):
 
 
 class PythonTool(Tool):
-    """Executes Python code statement by statement in a warm, contained worker.
+    """Executes Python code statement by statement in a fresh, contained process per call.
 
-    Settings (``configure``): ``cpu_time_s`` (per call, default 10),
-    ``memory_mb`` (address space per worker, default 2048), ``file_size_mb``
-    (largest file written, default 64), ``isolate_network`` (default true),
-    ``warm_imports`` (modules imported at worker start, missing ones skipped;
-    default numpy and matplotlib with the Agg backend), ``max_output_chars``,
-    ``timeout_s``, ``workers``.
+    Settings (``settings_schema``) besides the common ones (``workers`` = warm
+    spares, ``timeout_s``, ``memory_mb``, ``cpu_s``, ``env``, ``nice``):
+    ``isolate_network`` (default true), ``allow_unisolated`` (default false:
+    refuse to start where the network cannot be isolated),
+    ``file_size_mb``, ``max_open_files``, ``max_processes``,
+    ``max_concurrent`` (calls running at once), ``warm_imports``,
+    ``max_output_chars`` and ``cpu_time_s`` (old name of ``cpu_s``).
     """
 
     name = "python"
@@ -155,49 +210,138 @@ class PythonTool(Tool):
         "required": ["code"],
         "additionalProperties": False,
     }
+    settings_schema = {
+        "type": "object",
+        "properties": {
+            "isolate_network": {"type": "boolean", "description": "Run each call in a private network namespace."},
+            "allow_unisolated": {"type": "boolean",
+                                 "description": "Start even where the OS cannot isolate the network."},
+            "file_size_mb": {"type": "integer", "minimum": 0, "description": "Largest file a call may write."},
+            "max_open_files": {"type": "integer", "minimum": 16, "description": "RLIMIT_NOFILE of a call."},
+            "max_processes": {"type": "integer", "minimum": 1,
+                              "description": "Processes a call may add (RLIMIT_NPROC; not enforced for root)."},
+            "max_concurrent": {"type": "integer", "minimum": 1, "description": "Calls running at once."},
+            "warm_imports": {"type": "array", "items": {"type": "string"},
+                             "description": "Modules each spare imports before its call."},
+            "max_output_chars": {"type": "integer", "minimum": 1},
+            "cpu_time_s": {"type": "number", "exclusiveMinimum": 0, "description": "Old name of cpu_s."},
+        },
+        "additionalProperties": False,
+    }
     granularity = Granularity.ON_LINE
     line_field = "code"
     timeout_s = 30.0
+    #: Read by the tool runtime: one fresh process per call, ``workers`` warm spares.
+    process_per_call = True
+    workers = 2
+    max_concurrent = 8
+    cpu_s = 10.0
+    memory_mb = 1024
 
     def __init__(self) -> None:
-        self.cpu_time_s = 10.0
-        self.memory_mb = 2048
         self.file_size_mb = 64
+        self.max_open_files = 256
+        self.max_processes = 64
         self.isolate_network = True
+        self.allow_unisolated = False
         self.warm_imports: tuple[str, ...] = ("numpy", "matplotlib", "matplotlib.pyplot")
         self.max_output_chars = 20_000
-        self.scratch_root: str | None = None
+        self.env: dict[str, str] = {}
+        self._probe: dict[str, Any] | None = None
+        self._mpl_dir: str | None = None
+
+    @property
+    def cpu_time_s(self) -> float:
+        """Old name of the common ``cpu_s`` setting."""
+        return self.cpu_s
+
+    @cpu_time_s.setter
+    def cpu_time_s(self, value: float) -> None:
+        self.cpu_s = float(value)
 
     def configure(self, settings: Mapping[str, Any]) -> None:
         try:
-            self.cpu_time_s = float(settings.get("cpu_time_s", self.cpu_time_s))
-            self.memory_mb = int(settings.get("memory_mb", self.memory_mb))
-            self.file_size_mb = int(settings.get("file_size_mb", self.file_size_mb))
-            self.isolate_network = bool(settings.get("isolate_network", self.isolate_network))
-            self.warm_imports = tuple(settings.get("warm_imports", self.warm_imports))
-            self.max_output_chars = int(settings.get("max_output_chars", self.max_output_chars))
-            self.timeout_s = float(settings.get("timeout_s", self.timeout_s))
-            self.workers = int(settings.get("workers", self.workers))
+            if "cpu_time_s" in settings:
+                self.cpu_s = float(settings["cpu_time_s"])
+            for key in ("cpu_s", "timeout_s"):
+                if key in settings:
+                    setattr(self, key, float(settings[key]))
+            for key in ("memory_mb", "workers", "file_size_mb", "max_open_files", "max_processes", "max_concurrent",
+                        "max_output_chars"):
+                if key in settings:
+                    setattr(self, key, int(settings[key]))
+            for key in ("isolate_network", "allow_unisolated"):
+                if key in settings:
+                    if not isinstance(settings[key], bool):
+                        raise TypeError(f"{key} must be true or false")
+                    setattr(self, key, settings[key])
+            self.warm_imports = tuple(str(m) for m in settings.get("warm_imports", self.warm_imports))
+            if "env" in settings:
+                self.env = {str(k): str(v) for k, v in dict(settings["env"]).items()}
         except (TypeError, ValueError) as exc:
             raise ToolConfigError(f"python tool settings: {exc}") from exc
 
     # -- gateway process ----------------------------------------------------------------
 
+    def network_probe(self) -> dict[str, Any]:
+        """Whether this OS lets a worker create a private network namespace (probed once)."""
+        if self._probe is None:
+            self._probe = probe_isolation() if self.isolate_network else {"network_namespace": None}
+        return self._probe
+
     def setup(self) -> None:
-        self.scratch_root = tempfile.mkdtemp(prefix="interlace-python-")
+        """Refuse to start without network isolation, unless the settings allow it."""
+        how = self.network_probe()["network_namespace"]
+        if how is None and self.isolate_network and not self.allow_unisolated:
+            raise ToolConfigError(
+                "python tool: this OS does not let the tool's workers create a private network namespace "
+                "(unshare(CLONE_NEWNET) failed, also inside a user namespace), so code run by the model "
+                "could reach the network. Run the gateway where namespaces are allowed (root, or "
+                "unprivileged user namespaces enabled), or set `allow_unisolated: true` under "
+                "tools.python in the config to run it without network isolation."
+            )
+        # One matplotlib cache for all calls: each call's HOME is a fresh scratch
+        # directory, and rebuilding the font cache would cost every call seconds.
+        self._mpl_dir = tempfile.mkdtemp(prefix="interlace-python-mpl-")
+        self.env = {"MPLCONFIGDIR": self._mpl_dir, **self.env}
 
     def teardown(self) -> None:
-        if self.scratch_root:
-            shutil.rmtree(self.scratch_root, ignore_errors=True)
-            self.scratch_root = None
+        if self._mpl_dir:
+            shutil.rmtree(self._mpl_dir, ignore_errors=True)
+            self.env = {k: v for k, v in self.env.items() if v != self._mpl_dir}
+            self._mpl_dir = None
+
+    def info(self) -> dict[str, Any]:
+        """The containment in force, for the start-up log, ``/v1/plugins`` and ``interlace plugins``."""
+        probe = self.network_probe()
+        root = os.geteuid() == 0
+        return {
+            "network_isolation": NETWORK_ISOLATION_LABELS.get(probe.get("network_namespace"), "none"),
+            "allow_unisolated": self.allow_unisolated,
+            "process_per_call": True,
+            "scratch_dir": "private per call (cwd, HOME, TMPDIR), removed after the call",
+            "environment": "clean: PATH, LANG, HOME, TMPDIR" + (f" + {', '.join(sorted(self.env))}" if self.env else ""),
+            "rlimits": {
+                "RLIMIT_AS": self.memory_mb << 20,
+                "RLIMIT_CPU": f"{self.cpu_s:g}s per call (CPUTimeExceeded), SIGKILL 1s later",
+                "RLIMIT_FSIZE": self.file_size_mb << 20,
+                "RLIMIT_NOFILE": self.max_open_files,
+                "RLIMIT_NPROC": "not enforced (the gateway runs as root)" if root
+                else f"{self.max_processes} more than the uid's processes at spawn",
+            },
+            "wall_time_s": self.timeout_s,
+            "not_contained": "same uid as the gateway, filesystem readable (and writable where the uid may), "
+                             "no seccomp filter: not a sandbox for hostile code",
+        }
 
     # -- worker process -----------------------------------------------------------------
 
     def worker_init(self) -> dict[str, Any]:
         """Contain the worker, then warm the imports; returns the isolation in force."""
-        netns = isolate_network() if self.isolate_network else None
-        # One BLAS thread: workers are many, cores are few, and threads must not
-        # exist before unshare() (done above).
+        netns = isolate_network() if self.isolate_network else None  # before any thread exists
+        if netns is None and self.isolate_network and not self.allow_unisolated:
+            raise ToolConfigError("python tool: could not create a private network namespace")
+        # One BLAS thread: workers are many, cores are few.
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = "1"
         os.environ["MPLBACKEND"] = "Agg"
@@ -208,26 +352,19 @@ class PythonTool(Tool):
                 warmed.append(module)
             except Exception:  # noqa: BLE001 - optional imports: missing or broken is fine
                 pass
-        if self.scratch_root:
-            os.chdir(tempfile.mkdtemp(dir=self.scratch_root))
-        limits: dict[str, int | None] = {}
-        for name, key, value in (("RLIMIT_AS", "memory_bytes", self.memory_mb << 20),
-                                 ("RLIMIT_FSIZE", "file_size_bytes", self.file_size_mb << 20)):
-            try:
-                _, hard = resource.getrlimit(getattr(resource, name))
-                if hard != resource.RLIM_INFINITY:
-                    value = min(value, hard)
-                resource.setrlimit(getattr(resource, name), (value, hard))
-                limits[key] = value
-            except (ValueError, OSError):
-                limits[key] = None
-        signal.signal(signal.SIGXCPU, _on_sigxcpu)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # oversized writes fail with EFBIG instead
+        limits: dict[str, Any] = {
+            "file_size_bytes": _set_hard_limit("RLIMIT_FSIZE", self.file_size_mb << 20),
+            "open_files": _set_hard_limit("RLIMIT_NOFILE", self.max_open_files),
+        }
+        if os.geteuid() == 0:
+            limits["processes"] = "not enforced (root)"
+        else:
+            limits["processes"] = _set_hard_limit("RLIMIT_NPROC", _tasks_of_real_uid() + self.max_processes)
         return {
             "isolation": {
                 "network_namespace": netns,
                 "network_interfaces": _network_interfaces(),
-                "cpu_time_s_per_call": self.cpu_time_s,
+                "cpu_time_s_per_call": self.cpu_s,
                 **limits,
                 "wall_time_s": self.timeout_s,
                 "cwd": os.getcwd(),
@@ -244,11 +381,6 @@ class PythonTool(Tool):
         self._line_no = 0
         self._last: str | None = None
         self._error: str | None = None
-        soft = int(_cpu_seconds() + self.cpu_time_s) + 1
-        try:
-            resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))
-        except (ValueError, OSError):
-            pass
 
     def on_line(self, line: str) -> None:
         offset, self._line_no = self._line_no, self._line_no + line.count("\n") + 1
@@ -287,11 +419,6 @@ class PythonTool(Tool):
         }
 
     def on_close(self) -> None:
-        try:
-            hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-            resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
-        except (ValueError, OSError):
-            pass
         self._ns = {}
 
     def _run(self, statements: list[ast.stmt]) -> None:
@@ -307,42 +434,11 @@ class PythonTool(Tool):
                     else:
                         exec(compile(ast.Module([stmt], []), _FILENAME, "exec"), self._ns)
                         self._last = None
-            except CPUTimeExceeded:
-                self._error = f"CPUTimeExceeded: more than {self.cpu_time_s:g}s of CPU time"
             except BaseException as exc:  # noqa: BLE001 - user code may raise anything, SystemExit included
+                if type(exc).__name__ == "CPUTimeExceeded":  # the runtime's per-call CPU budget
+                    self._error = f"CPUTimeExceeded: more than {self.cpu_s:g}s of CPU time"
+                    continue
                 tb = exc.__traceback__
                 while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
                     tb = tb.tb_next  # show the user's frames, not ours
                 self._error = "".join(traceback.format_exception(type(exc), exc, tb))[-self.max_output_chars:]
-
-
-def _probe(conn: Any, tool: PythonTool) -> None:
-    conn.send(tool.worker_init())
-    conn.close()
-
-
-def probe_isolation(settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Start a throw-away worker with the python tool's containment and report what is in force.
-
-    For ``interlace plugins`` / diagnostics; a running gateway can ask
-    ``ToolRuntime.worker_info("python")`` instead, which costs nothing.
-    """
-    import multiprocessing
-
-    tool = PythonTool()
-    tool.configure({**(settings or {}), "warm_imports": ()})
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_probe, args=(child, tool), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        info = parent.recv() if parent.poll(30) else {}
-    except EOFError:
-        info = {}
-    finally:
-        proc.join(5)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-    return dict(info.get("isolation", {}))

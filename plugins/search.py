@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from interlace.gateway.tools import Granularity, Tool, ToolConfigError, ToolError
+from interlace import Granularity, Tool, ToolConfigError, ToolError
 
 __all__ = ["SearchTool", "build_index", "iter_corpus"]
 
@@ -91,8 +91,25 @@ class SearchTool(Tool):
         "required": ["query"],
         "additionalProperties": False,
     }
+    settings_schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "corpus": {"type": "string", "description": "A directory of .txt/.md files or a JSONL file."},
+            "index_path": {"type": "string", "description": "Where to build the index (default: a temporary file)."},
+            "delay_s": {"type": "number", "minimum": 0, "description": "Added latency per search (benchmarks)."},
+            "default_k": {"type": "integer", "minimum": 1},
+            "max_k": {"type": "integer", "minimum": 1},
+        },
+        "additionalProperties": False,
+    }
     granularity = Granularity.ON_FIELD
     timeout_s = 20.0
+    workers = 2
+
+    def info(self) -> dict[str, Any]:
+        """What the tool can reach: its own index, read-only."""
+        return {"reaches": "its full-text index of the configured corpus, read-only" if self.corpus
+                else "nothing (no corpus)", "corpus": self.corpus, "documents": self.documents}
 
     def __init__(self) -> None:
         self.corpus: str | None = None

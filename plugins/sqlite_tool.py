@@ -8,7 +8,12 @@ complete.  Three layers keep it read-only, so a write fails with a typed
 1. the file is opened through a ``file:...?mode=ro`` URI;
 2. ``PRAGMA query_only`` is set;
 3. an authorizer denies every action but reading (no ATTACH of a writable
-   file, no PRAGMA that changes state).
+   file, no PRAGMA that changes state; introspection pragmas such as
+   ``table_info(t)`` are allowed).
+
+``SQLITE_LIMIT_LENGTH`` bounds any string or blob a query builds, the rows
+returned are bounded in number and size, and the worker's address space is
+bounded by the runtime's ``memory_mb``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from interlace.gateway.tools import Granularity, Tool, ToolConfigError, ToolError
+from interlace import Granularity, Tool, ToolConfigError, ToolError
 
 __all__ = ["SqliteTool", "ReadOnlyQueryError", "SqlError"]
 
@@ -33,12 +38,54 @@ class SqlError(ToolError):
     """The query is not valid SQL for this database."""
 
 
-_ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION}
-_ALLOWED_ACTIONS.add(getattr(sqlite3, "SQLITE_RECURSIVE", 33))
-#: Introspection pragmas a model may reasonably use; all others are denied.
-_READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "foreign_key_list"}
-_ACTION_NAMES = {getattr(sqlite3, n): n[7:] for n in dir(sqlite3) if n.startswith("SQLITE_") and n.isupper()
-                 and isinstance(getattr(sqlite3, n), int) and n not in ("SQLITE_OK", "SQLITE_DENY", "SQLITE_IGNORE")}
+#: The authorizer's action codes (sqlite3.h, "Authorizer Action Codes").  Spelled out because
+#: the ``sqlite3`` module also exports result codes (``SQLITE_ERROR`` = 1, ``SQLITE_INTERRUPT``
+#: = 9, ...) that share these numbers: a table built from ``dir(sqlite3)`` names a denied
+#: DELETE "INTERRUPT".
+_ACTION_NAMES: dict[int, str] = dict(enumerate((
+    "CREATE_INDEX", "CREATE_TABLE", "CREATE_TEMP_INDEX", "CREATE_TEMP_TABLE", "CREATE_TEMP_TRIGGER",
+    "CREATE_TEMP_VIEW", "CREATE_TRIGGER", "CREATE_VIEW", "DELETE", "DROP_INDEX", "DROP_TABLE",
+    "DROP_TEMP_INDEX", "DROP_TEMP_TABLE", "DROP_TEMP_TRIGGER", "DROP_TEMP_VIEW", "DROP_TRIGGER", "DROP_VIEW",
+    "INSERT", "PRAGMA", "READ", "SELECT", "TRANSACTION", "UPDATE", "ATTACH", "DETACH", "ALTER_TABLE",
+    "REINDEX", "ANALYZE", "CREATE_VTABLE", "DROP_VTABLE", "FUNCTION", "SAVEPOINT", "RECURSIVE"), start=1))
+_ACTION_CODES = {name: code for code, name in _ACTION_NAMES.items()}
+_ALLOWED_ACTIONS = {_ACTION_CODES[n] for n in ("SELECT", "READ", "FUNCTION", "RECURSIVE")}
+#: Read-only introspection pragmas, allowed with or without an argument (``table_info(t)``).
+_READ_PRAGMAS = {"table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+                 "foreign_key_list", "foreign_key_check", "collation_list", "database_list", "function_list",
+                 "module_list", "pragma_list", "compile_options"}
+#: Setting pragmas that may be read (no argument) but never set (``user_version = 3`` is denied).
+_READABLE_SETTINGS = {"user_version", "schema_version", "application_id", "encoding", "page_size", "page_count",
+                      "freelist_count", "journal_mode", "foreign_keys", "query_only"}
+#: Largest string or blob a query may build (``SELECT zeroblob(700000000)`` is a fast error).
+DEFAULT_MAX_VALUE_BYTES = 16 << 20
+DEFAULT_MAX_RESULT_BYTES = 4 << 20
+
+
+def authorize_read_only(action: int, arg1: str | None, arg2: str | None) -> bool:
+    """Whether the authorizer lets ``action`` through: reading, and read-only pragmas."""
+    if action in _ALLOWED_ACTIONS:
+        return True
+    if action == _ACTION_CODES["PRAGMA"] and arg1:
+        name = arg1.lower()
+        return name in _READ_PRAGMAS or (name in _READABLE_SETTINGS and arg2 is None)
+    return False
+
+
+def describe_action(action: int, arg1: str | None) -> str:
+    """How a denial names what the query tried: ``INSERT on items``, ``PRAGMA journal_mode``.
+
+    Schema changes are authorized as writes to ``sqlite_master`` before their
+    own action (``DROP TABLE t`` is first a ``DELETE on sqlite_master``).
+    """
+    what = _ACTION_NAMES.get(action, f"action {action}")
+    if what in ("INSERT", "UPDATE", "DELETE", "PRAGMA") and arg1:
+        return f"{what} {arg1}" if what == "PRAGMA" else f"{what} on {arg1}"
+    return what
+
+
+def _value_size(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes)) else 8
 
 
 def _jsonable(value: Any) -> Any:
@@ -48,7 +95,9 @@ def _jsonable(value: Any) -> Any:
 
 
 class SqliteTool(Tool):
-    """Settings: ``database`` (path; without it the tool is disabled), ``max_rows`` (default 200)."""
+    """Settings: ``database`` (path; without it the tool is disabled), ``max_rows`` (default 200),
+    ``max_value_bytes`` (largest string/blob a query may build, default 16 MiB) and
+    ``max_result_bytes`` (rows beyond this size are cut, default 4 MiB)."""
 
     name = "sqlite"
     description = "Run one read-only SQL query (SQLite dialect) against the configured database."
@@ -63,17 +112,38 @@ class SqliteTool(Tool):
         "required": ["query"],
         "additionalProperties": False,
     }
+    settings_schema = {
+        "type": "object",
+        "properties": {
+            "database": {"type": "string", "description": "Path of the SQLite file (opened read-only)."},
+            "max_rows": {"type": "integer", "minimum": 1},
+            "max_value_bytes": {"type": "integer", "minimum": 1024,
+                                "description": "SQLITE_LIMIT_LENGTH: largest string or blob a query builds."},
+            "max_result_bytes": {"type": "integer", "minimum": 1024},
+        },
+        "additionalProperties": False,
+    }
     granularity = Granularity.ON_START
     timeout_s = 10.0
+    workers = 2
 
     def __init__(self) -> None:
         self.database: str | None = None
         self.max_rows = 200
+        self.max_value_bytes = DEFAULT_MAX_VALUE_BYTES
+        self.max_result_bytes = DEFAULT_MAX_RESULT_BYTES
         self.enabled = False
+
+    def info(self) -> dict[str, Any]:
+        """What the tool can reach: one database file, read-only."""
+        return {"reaches": "the configured database file, read-only" if self.database else "nothing (no database)",
+                "database": self.database, "max_rows": self.max_rows, "max_value_bytes": self.max_value_bytes}
 
     def configure(self, settings: Mapping[str, Any]) -> None:
         database = settings.get("database")
         self.max_rows = int(settings.get("max_rows", self.max_rows))
+        self.max_value_bytes = int(settings.get("max_value_bytes", self.max_value_bytes))
+        self.max_result_bytes = int(settings.get("max_result_bytes", self.max_result_bytes))
         self.timeout_s = float(settings.get("timeout_s", self.timeout_s))
         if not database:
             self.enabled = False
@@ -90,14 +160,14 @@ class SqliteTool(Tool):
         self._denied: str | None = None
         self._conn: sqlite3.Connection | None = sqlite3.connect(Path(self.database).as_uri() + "?mode=ro", uri=True, check_same_thread=False)
         self._conn.execute("PRAGMA query_only = ON")
+        self._conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, self.max_value_bytes)
         self._conn.set_authorizer(self._authorize)
 
     def _authorize(self, action: int, arg1: str | None, arg2: str | None, db: str | None, trigger: str | None) -> int:
-        if action in _ALLOWED_ACTIONS:
+        if authorize_read_only(action, arg1, arg2):
             return sqlite3.SQLITE_OK
-        if action == sqlite3.SQLITE_PRAGMA and arg1 and arg1.lower() in _READ_PRAGMAS and arg2 is None:
-            return sqlite3.SQLITE_OK
-        self._denied = _ACTION_NAMES.get(action, str(action))
+        if self._denied is None:  # name the first denied action: the one the query is about
+            self._denied = describe_action(action, arg1)
         return sqlite3.SQLITE_DENY
 
     def on_finish(self, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +175,13 @@ class SqliteTool(Tool):
         try:
             assert self._conn is not None
             cursor = self._conn.execute(query, params)
-            rows = cursor.fetchmany(self.max_rows + 1)
+            rows, size, truncated = [], 0, False
+            for row in cursor:
+                size += sum(_value_size(v) for v in row)
+                if len(rows) == self.max_rows or size > self.max_result_bytes:
+                    truncated = True
+                    break
+                rows.append(row)
         except sqlite3.Error as exc:
             if self._denied or "readonly" in str(exc) or "read-only" in str(exc):
                 what = f" ({self._denied} denied)" if self._denied else ""
@@ -116,8 +192,8 @@ class SqliteTool(Tool):
         columns = [d[0] for d in cursor.description or ()]
         return {
             "columns": columns,
-            "rows": [[_jsonable(v) for v in row] for row in rows[: self.max_rows]],
-            "truncated": len(rows) > self.max_rows,
+            "rows": [[_jsonable(v) for v in row] for row in rows],
+            "truncated": truncated,
         }
 
     def on_close(self) -> None:

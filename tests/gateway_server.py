@@ -5,11 +5,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any, Callable, Iterable, Optional, Union
 
 import uvicorn
 
 from interlace.gateway.app import create_app
-from interlace.gateway.config import parse_config
+from interlace.gateway.config import GatewayConfig, parse_config
 
 
 def free_port() -> int:
@@ -19,9 +20,13 @@ def free_port() -> int:
 
 
 class LiveGateway:
-    def __init__(self, config: dict):
-        self.config = parse_config(config, "<test>")
-        self.app = create_app(self.config)
+    """``config``: a config dict (as the YAML file would hold) or a loaded :class:`GatewayConfig`.
+    ``engine_factory`` and ``plugins`` go to :func:`create_app`."""
+
+    def __init__(self, config: Union[dict, GatewayConfig], engine_factory: Optional[Callable[[Any], Any]] = None,
+                 plugins: Iterable[object] = ()):
+        self.config = config if isinstance(config, GatewayConfig) else parse_config(config, "<test>")
+        self.app = create_app(self.config, engine_factory, plugins)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     timeout_graceful_shutdown=2))

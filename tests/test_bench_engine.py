@@ -1,10 +1,43 @@
 """``interlace bench engine`` runs end to end (tiny settings): every variant
 in its own subprocess, the table, the JSON and the plot.  A smoke test; the
-numbers themselves are recorded in docs/benchmarks.md, not asserted."""
+numbers themselves are recorded in docs/benchmarks.md, not asserted.  Also
+the machine description every benchmark records (CPU model and ISA flags)."""
 
 import json
 
+from interlace.bench import cpu_description, describe_cpu
 from interlace.bench import engine as bench_engine
+
+ZEN2_LSCPU = {"Model name": "AMD EPYC", "Vendor ID": "AuthenticAMD", "CPU family": "23", "Model": "49",
+              "CPU(s)": "2", "Thread(s) per core": "1", "Hypervisor vendor": "KVM",
+              "Flags": "fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c hypervisor avx2 bmi2 sha_ni"}
+SPR_CPUINFO = {"model name": "Intel(R) Xeon(R) Platinum 8480+", "vendor_id": "GenuineIntel", "cpu family": "6",
+               "model": "143", "flags": "sse4_2 avx avx2 fma f16c avx512f avx512bw avx512_vnni avx512_bf16 "
+                                        "avx512_fp16 amx_bf16 amx_tile amx_int8"}
+
+
+def test_cpu_description_records_present_and_absent_isa_flags():
+    cpu = cpu_description(lscpu=ZEN2_LSCPU)
+    assert cpu["model_name"] == "AMD EPYC" and (cpu["family"], cpu["model"]) == ("23", "49")
+    assert cpu["cpus"] == 2 and cpu["hypervisor"] == "KVM" and cpu["source"] == "lscpu"
+    assert cpu["isa"] == ["sse4_2", "avx", "avx2", "fma", "f16c"]
+    assert {"avx512f", "avx512_bf16", "amx_bf16"} <= set(cpu["isa_absent"])
+    line = describe_cpu(cpu)
+    assert line.startswith("AMD EPYC (family 23 model 49), 2 CPUs, KVM guest; ISA sse4_2 avx avx2 fma f16c; no ")
+    assert "avx512_bf16" in line.split("; no ")[1]
+
+
+def test_cpu_description_from_proc_cpuinfo_when_lscpu_is_missing():
+    cpu = cpu_description(lscpu={}, cpuinfo=SPR_CPUINFO)
+    assert cpu["source"] == "/proc/cpuinfo" and cpu["model_name"].startswith("Intel(R) Xeon(R) Platinum")
+    assert {"avx512f", "avx512_bf16", "amx_bf16", "amx_int8"} <= set(cpu["isa"]) and cpu["isa_absent"] == []
+    assert "; no " not in describe_cpu(cpu)
+
+
+def test_cpu_description_without_flags_says_so():
+    cpu = cpu_description(lscpu={}, cpuinfo={})
+    assert cpu["isa"] == [] and cpu["isa_absent"] == []
+    assert describe_cpu(cpu).endswith("ISA flags unknown")
 
 
 def test_bench_engine_smoke(tmp_path, capsys):
@@ -18,4 +51,9 @@ def test_bench_engine_smoke(tmp_path, capsys):
     for variant in ("interlace float32", "transformers float32"):
         cells = res["best"][variant]
         assert set(cells) == {"1", "2"} and all(c["decode"] > 0 and c["prefill"] > 0 for c in cells.values())
+    # the machine is recorded with its ISA flags, and printed with the table
+    mach = res["machine"]
+    assert mach["cpu"]["model_name"] and (mach["cpu"]["isa"] or mach["cpu"]["isa_absent"])
+    assert mach["torch"] and mach["torch_threads"] >= 1 and mach["torch_cpu_capability"]
+    assert "machine: " + describe_cpu(mach["cpu"]) in text
     assert png.stat().st_size > 1000

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import resource
 import socket
 import sqlite3
 import time
@@ -16,13 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from interlace.gateway.tool_runtime import ToolResult, ToolRuntime
 from interlace.gateway.tools import InvalidToolArguments, ToolConfigError
 from interlace.plugins.calculator import CalculatorError, CalculatorTool, evaluate
 from interlace.plugins.format_tool import FormatError, FormatTool, safe_format
-from interlace.plugins.python_tool import PythonTool, probe_isolation
+from interlace.plugins.python_tool import NETWORK_ISOLATION_LABELS, PythonTool, probe_isolation
 from interlace.plugins.search import SearchTool, fts_query
 from interlace.plugins.sqlite_tool import SqliteTool
 
@@ -74,18 +77,50 @@ class Harness:
         self.loop.close()
 
 
+#: Set in the gateway process before the workers start; no tool may see it.
+SECRET_VAR, SECRET = "INTERLACE_TEST_SECRET_API_KEY", "sk-must-not-leak-7f3a"
+
+
 @pytest.fixture(scope="module")
 def rt(database: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     python = PythonTool()
-    python.configure({"cpu_time_s": 1, "memory_mb": 1024, "timeout_s": 10})
+    python.configure({"cpu_time_s": 1, "memory_mb": 1024, "timeout_s": 10, "env": {"INTERLACE_VISIBLE": "yes"}})
     sqlite = SqliteTool()
     sqlite.configure({"database": str(database), "max_rows": 10})
     search = SearchTool()
     search.configure({"corpus": str(corpus), "delay_s": 0.3})
-    harness = Harness([python, CalculatorTool(), sqlite, search, FormatTool()])
-    yield harness
-    harness.close()
+    os.environ[SECRET_VAR] = SECRET
+    try:
+        harness = Harness([python, CalculatorTool(), sqlite, search, FormatTool()])
+        yield harness
+        harness.close()
+    finally:
+        del os.environ[SECRET_VAR]
     assert search.index_path is None  # the temporary index was removed
+
+
+def spare_info(rt: Harness, count: int = 1) -> dict[str, Any]:
+    """What a warm python spare reported (spares are replaced after each call: wait for ``count``)."""
+    deadline = time.monotonic() + 30
+    while len(rt.runtime.worker_info("python")) < count:
+        assert time.monotonic() < deadline, "no warm python spare"
+        rt(asyncio.sleep(0.05))
+    return rt.runtime.worker_info("python")[0]
+
+
+def has_capability(bit: int) -> bool:
+    """Whether this process holds a capability (the worker inherits the gateway's set)."""
+    with open("/proc/self/status") as fh:
+        caps = next(line.split()[1] for line in fh if line.startswith("CapEff:"))
+    return bool(int(caps, 16) >> bit & 1)
+
+
+def gone(pid: int) -> bool:
+    """The process no longer runs (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 # --------------------------------------------------------------------------- python
@@ -173,9 +208,22 @@ def test_python_calls_do_not_share_variables(rt: Harness) -> None:
 
 
 def test_python_cpu_limit(rt: Harness) -> None:
-    result = rt.run("python", {"code": "while True:\n    pass"})
-    assert result.ok and "CPUTimeExceeded" in result.content["error"]
-    assert rt.run("python", {"code": "1 + 1"}).content["result"] == "2"  # worker survived, limit reset
+    result = rt.run("python", {"code": "print('before')\nwhile True:\n    pass"})
+    assert result.ok and "CPUTimeExceeded" in result.content["error"] and result.content["stdout"] == "before\n"
+    assert rt.run("python", {"code": "1 + 1"}).content["result"] == "2"
+
+
+def test_python_cpu_limit_is_hard_inside_c_code(rt: Harness) -> None:
+    """A C loop never runs the Python signal handler: the hard RLIMIT_CPU (cpu_s + 1) kills it."""
+    code = "import hashlib\nhashlib.pbkdf2_hmac('sha256', b'k', b'salt', 10 ** 9)"  # minutes of pure C
+
+    async def main() -> ToolResult:
+        call = await rt.runtime.begin("python", partial=False, timeout_s=120)  # the CPU limit must act first
+        return await call.finish({"code": code})
+
+    result = rt(main())
+    assert not result.ok and result.error_type == "ToolTimeout" and "CPU limit" in result.error, result
+    assert gone(result.worker_pid)
 
 
 def test_python_memory_limit(rt: Harness) -> None:
@@ -183,10 +231,39 @@ def test_python_memory_limit(rt: Harness) -> None:
     assert result.ok and "MemoryError" in result.content["error"]
 
 
+def test_python_rlimits_are_hard(rt: Harness) -> None:
+    """soft == hard for every limit set, so the code cannot raise its own soft limits."""
+    code = ("import resource\n"
+            "{n: resource.getrlimit(getattr(resource, n)) for n in "
+            "('RLIMIT_AS', 'RLIMIT_CPU', 'RLIMIT_FSIZE', 'RLIMIT_NOFILE')}")
+    limits = eval(rt.run("python", {"code": code}).content["result"])  # noqa: S307 - a dict repr we made
+    assert limits["RLIMIT_AS"] == (1024 << 20, 1024 << 20)
+    assert limits["RLIMIT_FSIZE"] == (64 << 20, 64 << 20) and limits["RLIMIT_NOFILE"] == (256, 256)
+    soft, hard = limits["RLIMIT_CPU"]
+    assert soft == hard and soft != resource.RLIM_INFINITY
+    raise_it = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))"
+    error = rt.run("python", {"code": raise_it}).content["error"] or ""
+    if has_capability(24):  # CAP_SYS_RESOURCE may raise a hard limit: docs/security.md says so
+        assert error == ""
+    else:
+        assert "ValueError: not allowed to raise maximum limit" in error
+
+
+def test_python_nproc_reported_as_in_force(rt: Harness) -> None:
+    """RLIMIT_NPROC counts the real uid's processes and does not bind root: say which applies."""
+    info = spare_info(rt)
+    rlimit_nproc = PythonTool().info()["rlimits"]["RLIMIT_NPROC"]
+    if os.geteuid() == 0:
+        assert info["isolation"]["processes"] == "not enforced (root)" and "not enforced" in rlimit_nproc
+    else:
+        soft, hard = info["rlimits"]["RLIMIT_NPROC"]
+        assert soft == hard == info["isolation"]["processes"] and "not enforced" not in rlimit_nproc
+
+
 def test_python_isolation_reported_and_network_blocked(rt: Harness) -> None:
-    (info,) = rt.runtime.worker_info("python")
+    info = spare_info(rt)
     iso = info["isolation"]
-    assert iso["memory_bytes"] == 1024 << 20 and iso["cpu_time_s_per_call"] == 1
+    assert info["rlimits"]["RLIMIT_AS"] == [1024 << 20, 1024 << 20] and iso["cpu_time_s_per_call"] == 1
     assert "numpy" in info["warm_imports"]
     code = "import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('93.184.216.34', 80))"
     result = rt.run("python", {"code": code})
@@ -202,7 +279,128 @@ def test_python_isolation_reported_and_network_blocked(rt: Harness) -> None:
 
 def test_probe_isolation_matches_worker(rt: Harness) -> None:
     probed = probe_isolation()
-    assert probed["network_namespace"] == rt.runtime.worker_info("python")[0]["isolation"]["network_namespace"]
+    assert probed["network_namespace"] == spare_info(rt)["isolation"]["network_namespace"]
+
+
+def test_python_info_reports_isolation_in_force(rt: Harness) -> None:
+    """Tool.info() (-> /v1/plugins, `interlace plugins`, the start-up log) tells the truth."""
+    info = rt.runtime.tools["python"].info()
+    json.dumps(info)
+    worker = spare_info(rt)["isolation"]
+    assert info["network_isolation"] == NETWORK_ISOLATION_LABELS[worker["network_namespace"]]
+    if info["network_isolation"] != "none":
+        assert worker["network_interfaces"] == ["lo"]
+    assert info["process_per_call"] and info["rlimits"]["RLIMIT_AS"] == 1024 << 20
+
+
+def test_python_refuses_to_start_without_isolation_unless_allowed() -> None:
+    """Checks the branch this machine is on: isolation works and start-up succeeds, or it
+    does not and start-up fails with a message naming `allow_unisolated`."""
+    can_isolate = probe_isolation()["network_namespace"] is not None
+    strict = PythonTool()
+    strict.configure({})
+    if can_isolate:
+        strict.setup()
+        strict.teardown()
+        assert strict.info()["network_isolation"] != "none"
+    else:
+        with pytest.raises(ToolConfigError, match="allow_unisolated"):
+            strict.setup()
+        lenient = PythonTool()
+        lenient.configure({"allow_unisolated": True})
+        lenient.setup()
+        lenient.teardown()
+        assert lenient.info()["network_isolation"] == "none"
+
+
+def test_python_refusal_decision_when_the_os_cannot_isolate() -> None:
+    """The decision itself, for a probe that found no isolation (whatever this machine can do)."""
+    strict, lenient = PythonTool(), PythonTool()
+    lenient.configure({"allow_unisolated": True})
+    for tool in (strict, lenient):
+        tool._probe = {"network_namespace": None, "network_interfaces": ["lo", "eth0"]}
+    with pytest.raises(ToolConfigError, match="allow_unisolated: true"):
+        strict.setup()
+    lenient.setup()
+    lenient.teardown()
+    assert lenient.info()["network_isolation"] == "none"
+
+
+def test_python_fresh_process_per_call(rt: Harness) -> None:
+    """No interpreter state survives a call, not even through builtins or sys.modules."""
+    first = rt.run("python", {"code": "import builtins, os\nbuiltins.leak = 1\nos.getpid()"},
+                   request={"key": "alice"})
+    second = rt.run("python", {"code": "import os\nprint(os.getpid())\nleak"}, request={"key": "bob"})
+    assert first.ok and second.ok and "NameError" in second.content["error"]
+    assert int(first.content["result"]) == first.worker_pid != second.worker_pid
+    assert gone(first.worker_pid)
+
+
+def test_python_scratch_dir_private_and_removed(rt: Harness) -> None:
+    code = ("import os, tempfile\nopen('out.txt', 'w').write('x')\n"
+            "[os.getcwd(), os.environ['HOME'], tempfile.gettempdir(), oct(os.stat('.').st_mode & 0o777)]")
+    result = rt.run("python", {"code": code})
+    cwd, home, tmp, mode = eval(result.content["result"])  # noqa: S307 - a list repr we made
+    assert cwd == home == tmp and mode == "0o700" and os.path.basename(cwd).startswith("interlace-python-")
+    assert not os.path.exists(cwd)
+    again = rt.run("python", {"code": "import os\nos.getcwd()"})
+    assert eval(again.content["result"]) != cwd  # noqa: S307
+
+
+def test_python_environment_is_clean(rt: Harness) -> None:
+    """The gateway's secrets (API keys read through os.environ/NAME) never reach tool code."""
+    code = "import os\n[dict(os.environ), open('/proc/self/environ', 'rb').read().decode()]"
+    env, raw = eval(rt.run("python", {"code": code}).content["result"])  # noqa: S307
+    assert os.environ[SECRET_VAR] == SECRET  # it is there, in the gateway
+    assert SECRET_VAR not in env and SECRET not in raw
+    assert env["INTERLACE_VISIBLE"] == "yes"  # what the tool's `env` setting names
+    allowed = {"PATH", "LANG", "HOME", "TMPDIR", "INTERLACE_VISIBLE", "MPLCONFIGDIR", "MPLBACKEND",
+               "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"}
+    assert set(env) <= allowed, set(env) - allowed
+
+
+def test_python_no_child_outlives_the_call(rt: Harness) -> None:
+    """A subprocess, a forked child and a child in its own session: all gone after the call."""
+    code = ("import os, subprocess, time\n"
+            "a = subprocess.Popen(['sleep', '1000'])\n"
+            "b = subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+            "c = os.fork()\n"
+            "if c == 0:\n    time.sleep(1000)\n"
+            "[a.pid, b.pid, c]")
+    result = rt.run("python", {"code": code})
+    assert result.ok and result.content["error"] is None, result
+    pids = eval(result.content["result"])  # noqa: S307 - a list repr we made
+    assert len(pids) == 3 and all(pids)
+    deadline = time.monotonic() + 5
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, [p for p in pids if not gone(p)]
+        time.sleep(0.05)
+
+
+def test_python_fork_without_exit_then_next_call_is_prompt(rt: Harness) -> None:
+    result = rt.run("python", {"code": "import os\nchild = os.fork()\nprint('after fork')\n6 * 7"})
+    assert result.ok and result.content["result"] == "42", result
+    assert result.content["stdout"] == "after fork\n"  # the child's copy of the output never came back
+    spare_info(rt, count=2)  # a warm spare is waiting, as between requests
+    t0 = time.monotonic()
+    after = rt.run("python", {"code": "1 + 1"})
+    assert after.ok and after.content["result"] == "2" and time.monotonic() - t0 < 3
+
+
+def test_python_fast_call_not_blocked_behind_slow_one(rt: Harness) -> None:
+    spare_info(rt, count=2)  # both warm, as between requests
+
+    async def main() -> tuple[float, ToolResult, ToolResult]:
+        slow = asyncio.create_task(rt.runtime.run("python", {"code": "import time\ntime.sleep(6)\n'slow'"},
+                                                  request={"key": "alice"}))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        fast = await rt.runtime.run("python", {"code": "1 + 1"}, request={"key": "alice"})
+        return time.monotonic() - t0, fast, await slow
+
+    waited, fast, slow = rt(main())
+    assert fast.ok and fast.content["result"] == "2" and waited < 4
+    assert slow.ok and fast.finished_at < slow.finished_at - 2 and slow.content["result"] == "'slow'"
 
 
 def test_python_schema_rejects_extra_field(rt: Harness) -> None:
@@ -233,12 +431,24 @@ def test_calculator_rejects_non_arithmetic(expression: str) -> None:
 
 
 @pytest.mark.parametrize("expression", ["9 ** 9 ** 9", "10 ** 100000", "2 ** 5000", "(10 ** 1000) ** 5",
-                                        "factorial(100000)", "1 / 0", "1" * 1001, "exp(1000)", "(-8) ** 0.5"])
+                                        "factorial(100000)", "1 / 0", "1" * 1001, "exp(1000)", "(-8) ** 0.5",
+                                        "round(1, -10**8)", "round(10 ** 1000, -10 ** 6)", "round(2.5, 1.5)"])
 def test_calculator_bounds_and_errors(expression: str) -> None:
     t0 = time.monotonic()
     with pytest.raises(CalculatorError):
         evaluate(expression)
     assert time.monotonic() - t0 < 0.5
+
+
+def test_calculator_round_still_works() -> None:
+    assert (evaluate("round(1234.5678, 2)"), evaluate("round(1234, -2)"), evaluate("round(2.5)")) == (1234.57, 1200, 2)
+
+
+def test_calculator_round_bomb_is_a_fast_error_in_the_worker(rt: Harness) -> None:
+    t0 = time.monotonic()
+    result = rt.run("calculator", {"expression": "round(1, -10**8)"})
+    assert not result.ok and result.field == "expression" and "ndigits" in result.error
+    assert time.monotonic() - t0 < 3
 
 
 def test_calculator_aborts_early_in_worker(rt: Harness) -> None:
@@ -283,6 +493,65 @@ def test_sqlite_refuses_writes(rt: Harness, database: Path, query: str) -> None:
     result = rt.run("sqlite", {"query": query})
     assert not result.ok and result.error_type == "ReadOnlyQueryError", result
     assert database.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("query", "action"),
+    [("INSERT INTO items (name) VALUES ('x')", "INSERT on items"), ("DELETE FROM items", "DELETE on items"),
+     ("UPDATE items SET price = 0", "UPDATE on items"), ("ATTACH DATABASE '/tmp/x.db' AS x", "ATTACH"),
+     ("ALTER TABLE items ADD COLUMN b", "ALTER_TABLE"), ("DETACH DATABASE main", "DETACH"),
+     ("PRAGMA journal_mode = DELETE", "PRAGMA journal_mode"), ("PRAGMA user_version = 3", "PRAGMA user_version"),
+     # schema changes are authorized as writes to the schema table first
+     ("DROP TABLE items", "DELETE on sqlite_master"), ("CREATE TABLE t (a)", "INSERT on sqlite_master"),
+     ("WITH d AS (SELECT 1) DELETE FROM items", "DELETE on items")],
+)
+def test_sqlite_denial_names_the_action(rt: Harness, query: str, action: str) -> None:
+    """The authorizer's action code is named, not a result code that shares its number."""
+    result = rt.run("sqlite", {"query": query})
+    assert not result.ok and result.error_type == "ReadOnlyQueryError"
+    assert result.error == f"only read-only queries are allowed ({action} denied)", result.error
+
+
+@pytest.mark.parametrize(
+    ("query", "first_row"),
+    [("PRAGMA table_info(items)", [0, "id", "INTEGER", 0, None, 1]),
+     ("PRAGMA table_xinfo(items)", [0, "id", "INTEGER", 0, None, 1, 0]),
+     ("PRAGMA main.table_info('items')", [0, "id", "INTEGER", 0, None, 1]),
+     ("PRAGMA index_list(items)", None), ("PRAGMA foreign_key_list(items)", None),
+     ("PRAGMA user_version", [0])],
+)
+def test_sqlite_read_pragmas_allowed(rt: Harness, query: str, first_row: list[Any] | None) -> None:
+    result = rt.run("sqlite", {"query": query})
+    assert result.ok, result.error
+    if first_row is not None:
+        assert result.content["rows"][0] == first_row
+
+
+def test_sqlite_huge_blob_is_a_fast_error(rt: Harness) -> None:
+    """zeroblob(700000000) took 680 MB; SQLITE_LIMIT_LENGTH makes it an error before allocating."""
+    t0 = time.monotonic()
+    result = rt.run("sqlite", {"query": "SELECT zeroblob(700000000)"})
+    assert not result.ok and result.error_type == "SqlError" and "too big" in result.error, result
+    assert time.monotonic() - t0 < 5
+    ok = rt.run("sqlite", {"query": "SELECT length(zeroblob(1000000))"})
+    assert ok.ok and ok.content["rows"] == [[1000000]]
+
+
+def test_sqlite_result_size_is_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "big.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (v TEXT)")
+    conn.executemany("INSERT INTO t VALUES (?)", [("x" * 1000,) for _ in range(50)])
+    conn.commit()
+    conn.close()
+    tool = SqliteTool()
+    tool.configure({"database": str(path), "max_result_bytes": 10_000})
+    tool.on_start()
+    try:
+        result = tool.on_finish({"query": "SELECT v FROM t"})
+    finally:
+        tool.on_close()
+    assert result["truncated"] and len(result["rows"]) == 10
 
 
 def test_sqlite_sql_errors_and_config() -> None:
@@ -376,3 +645,78 @@ def test_format_rejects_unsafe_or_broken(template: str, values: Any) -> None:
 def test_format_tool_error_result(rt: Harness) -> None:
     result = rt.run("format", {"template": "{x.__class__}", "values": {"x": 1}})
     assert not result.ok and result.error_type == "FormatError"
+
+
+# --------------------------------------------------------------------------- settings and info
+
+
+BUILTIN_TOOL_CLASSES = (PythonTool, CalculatorTool, SqliteTool, SearchTool, FormatTool)
+
+
+@pytest.mark.parametrize("cls", BUILTIN_TOOL_CLASSES, ids=lambda c: c.name)
+def test_settings_schema_is_a_closed_json_schema(cls: type) -> None:
+    """Contract 2: each built-in declares the settings its configure() reads (the host rejects others)."""
+    from jsonschema import validators
+
+    schema = cls.settings_schema
+    validators.validator_for(schema).check_schema(schema)
+    assert schema["type"] == "object" and schema.get("additionalProperties") is False
+
+
+@pytest.mark.parametrize(
+    ("cls", "settings"),
+    [(PythonTool, {"isolate_network": True, "allow_unisolated": True, "file_size_mb": 8, "max_open_files": 64,
+                   "max_processes": 8, "max_concurrent": 2, "warm_imports": [], "max_output_chars": 100,
+                   "cpu_time_s": 2}),
+     (SqliteTool, {"database": "/x.db", "max_rows": 5, "max_value_bytes": 4096, "max_result_bytes": 4096}),
+     (SearchTool, {"corpus": "/c", "index_path": "/i", "delay_s": 0.1, "default_k": 2, "max_k": 4}),
+     (CalculatorTool, {}), (FormatTool, {})],
+    ids=lambda v: getattr(v, "name", ""),
+)
+def test_settings_schema_accepts_every_documented_setting(cls: type, settings: dict[str, Any]) -> None:
+    from jsonschema import validators
+
+    schema = cls.settings_schema
+    validators.validator_for(schema)(schema).validate(settings)
+    with pytest.raises(Exception, match="Additional properties"):
+        validators.validator_for(schema)(schema).validate({**settings, "no_such_setting": 1})
+
+
+def test_python_allow_unisolated_must_be_a_boolean() -> None:
+    with pytest.raises(ToolConfigError, match="allow_unisolated"):
+        PythonTool().configure({"allow_unisolated": "yes"})
+
+
+@pytest.mark.parametrize("cls", BUILTIN_TOOL_CLASSES, ids=lambda c: c.name)
+def test_info_is_plain_data_saying_what_the_tool_reaches(cls: type) -> None:
+    info = cls().info()
+    json.dumps(info)
+    assert info.get("reaches") or info.get("network_isolation")
+
+
+def test_builtin_pools_are_larger_than_one() -> None:
+    """One worker per tool let one slow call block every other request's call of that tool."""
+    assert all(cls.workers >= 2 for cls in BUILTIN_TOOL_CLASSES)
+
+
+def test_python_programs_it_runs_do_not_inherit_the_worker_pipe(rt: Harness) -> None:
+    """os.system / exec'd programs get no descriptor beyond stdin/stdout/stderr (the pipe is close-on-exec)."""
+    code = "import os\nos.system('ls /proc/self/fd > fds.txt')\nsorted(open('fds.txt').read().split())"
+    result = rt.run("python", {"code": code})
+    assert result.ok and eval(result.content["result"]) == ["0", "1", "2", "3"], result  # 3: ls's own listing
+
+
+def test_python_isolation_is_logged_at_start_up(caplog: pytest.LogCaptureFixture) -> None:
+    """The README promises the isolation in force is reported at start-up: it is, in the log."""
+    tool = PythonTool()
+    tool.configure({"warm_imports": [], "workers": 1})
+
+    async def main() -> None:
+        async with ToolRuntime([tool]):
+            pass
+
+    with caplog.at_level(logging.INFO, logger="interlace.gateway.tool_runtime"):
+        asyncio.run(main())
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tool 'python'")]
+    assert f'"network_isolation": "{tool.info()["network_isolation"]}"' in line
+    assert "a fresh process per call" in line and '"RLIMIT_AS": [1073741824, 1073741824]' in line

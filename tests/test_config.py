@@ -38,7 +38,7 @@ def test_invalid_config_messages(tmp_path, text, needle):
 def test_secrets_from_environment(monkeypatch):
     monkeypatch.setenv("GW_KEY", "s3cret")
     cfg = parse_config({"server": {"api_keys": ["os.environ/GW_KEY"]}, "models": {"m": {"path": "x"}}})
-    assert cfg.api_keys == ["s3cret"]
+    assert [k.key for k in cfg.api_keys] == ["s3cret"] and cfg.api_keys[0].name == "key0"
     monkeypatch.delenv("GW_KEY")
     with pytest.raises(ConfigError, match=r"server.api_keys\[0\]: environment variable 'GW_KEY' is not set"):
         parse_config({"server": {"api_keys": ["os.environ/GW_KEY"]}, "models": {"m": {"path": "x"}}}, "f.yaml")
@@ -50,3 +50,77 @@ def test_serve_refuses_invalid_config(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert f"{p}: models.m.block_size: 0 is less than the minimum of 1" in out.stderr
+
+
+def test_default_config_is_safe():
+    """As shipped: no client may run server-side tools or force output, no browser origin is
+    allowed, and requests without max_tokens get a bounded default."""
+    cfg = load_config("configs/default.yaml")
+    assert cfg.server_tools is False and cfg.replay is False
+    assert cfg.cors_origins == [] and cfg.api_keys == []
+    assert cfg.default_max_tokens == 1024
+
+
+def test_api_keys_with_names_and_permissions():
+    cfg = parse_config({"server": {"server_tools": ["calculator"], "replay": False, "api_keys": [
+        "plain", {"key": "k2", "name": "agent", "server_tools": True, "replay": True},
+        {"key": "k3", "name": "bench", "replay": True}]}, "models": {"m": {"path": "x"}}})
+    plain, agent, bench = cfg.api_keys
+    assert (plain.name, plain.server_tools, plain.replay) == ("key0", ["calculator"], False)  # server-level
+    assert (agent.name, agent.server_tools, agent.replay) == ("agent", True, True)
+    assert (bench.name, bench.server_tools, bench.replay) == ("bench", ["calculator"], True)
+    assert "k2" not in repr(agent)  # a key's repr (logs) never shows the secret
+
+
+@pytest.mark.parametrize("keys,needle", [
+    (["a", "a"], "server.api_keys[1]: duplicate key"),
+    ([{"key": "a", "name": "x"}, {"key": "b", "name": "x"}], "server.api_keys[1]: duplicate name 'x'"),
+    ([{"key": "a", "server_tools": "python"}], "server.api_keys[0]"),
+    ([{"key": "a", "admin": True}], "server.api_keys[0]"),
+])
+def test_invalid_api_keys(keys, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"server": {"api_keys": keys}, "models": {"m": {"path": "x"}}}, "f.yaml")
+    assert needle in str(e.value)
+
+
+def test_generate_with_missing_model_is_one_error_line():
+    out = subprocess.run([sys.executable, "-m", "interlace.gateway.cli", "generate", "hi", "--model", "/nonexistent"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        "interlace: error: cannot load the model /nonexistent: model path '/nonexistent' is neither a model "
+        "directory nor a .gguf file"]
+
+
+@pytest.mark.parametrize("command,text,needle", [
+    ("serve", "models:\n  m: {path: /nonexistent/model}\n", "models.m.path: '/nonexistent/model' does not exist"),
+    ("serve", "models:\n  m: {path: embedded, parser: nope}\n", "models.m.parser: unknown parser 'nope'"),
+    ("serve", "models:\n  m: {path: embedded}\nplugins: {modules: [no_such_plugin_mod]}\n",
+     "cannot import a plugin module: No module named 'no_such_plugin_mod'"),
+    ("plugins", "models:\n  m: {path: embedded}\nplugins: {modules: [no_such_plugin_mod]}\n",
+     "No module named 'no_such_plugin_mod'"),
+    ("plugins", "models: {}\n", "models: {} should be non-empty"),
+])
+def test_cli_user_mistakes_are_one_clear_line(tmp_path, command, text, needle):
+    p = write(tmp_path, text)
+    out = subprocess.run([sys.executable, "-m", "interlace.gateway.cli", command, "--config", str(p)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_plugins_command_shows_tool_info(tmp_path):
+    """`interlace plugins` prints what each tool's ``info()`` reports (e.g. its isolation)."""
+    import os
+    from pathlib import Path
+
+    p = write(tmp_path, "models:\n  m: {path: embedded}\nplugins: {entrypoints: false, modules: [info_plugin]}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "interlace.gateway.cli", "plugins", "--config", str(p)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    i = lines.index("  tool    probe")
+    assert lines[i + 1].strip() == "isolation: none (test probe)"
+    assert lines[i + 2].strip() == 'limits: {"memory_mb": 1024}'

@@ -14,6 +14,7 @@ import torch
 from conftest import run
 from interlace.engine_ext.protocol import SamplingParams
 from interlace.gateway.constrained import ConstraintViolation, GrammarCompiler, GrammarError
+from interlace.parsers import ToolCallEnd, builtin
 
 PERSON = {
     "type": "object",
@@ -75,11 +76,49 @@ def test_json_schema(smol_engine, compiler):
     assert proc.done and proc.steps > 0
 
 
-def test_json_object(smol_engine, compiler):
-    text, finish = run(_generate(smol_engine, "cd-object", "Give me a JSON object describing Paris.",
-                                 compiler.processor(compiler.json_object()), max_tokens=96))
-    assert finish == "stop"
-    assert isinstance(json.loads(text), dict)
+def _unique_keys(pairs):
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), f"repeated key in {pairs}"
+    return dict(pairs)
+
+
+JSON_OBJECT_PROMPTS = ["Give me a JSON object describing Paris.", "List three fruits and their colours as JSON.",
+                       "Return a JSON object with your name and age.", "Describe a cat in JSON."]
+
+
+def test_json_object_terminates(smol_engine, compiler):
+    """json_object used to loop on repeated keys until max_tokens ('{", ": 3, ": 3, ...' on the fruit
+    prompt): with unique keys and a bounded object each prompt ends with EOS, a JSON object with unique
+    keys.  The prompts decode concurrently (one batch), to keep the test short."""
+    async def all_prompts():
+        return await asyncio.gather(*(
+            _generate(smol_engine, f"cd-object-{i}", p, compiler.processor(compiler.json_object()), max_tokens=256)
+            for i, p in enumerate(JSON_OBJECT_PROMPTS)))
+
+    for text, finish in run(all_prompts()):
+        assert finish == "stop", text
+        assert isinstance(json.loads(text, object_pairs_hook=_unique_keys), dict)
+
+
+def test_repeated_key_is_masked(compiler):
+    tok = compiler.tokenizer
+    close_key = tok.encode('a": 2')[1]  # the token that closes a key and writes the colon
+    assert tok.decode([close_key]).startswith('"')
+    for prefix, repeats in [('{"a": 1, "a', True), ('{"a": 1, "b', False), ('{"b": {"a": 1}, "a', False),
+                            ('{"b": {"a": 1, "a', True), ('{"a": [{"a": 1}], "c": {"a', False)]:
+        _, out = _feed(compiler, compiler.json_object(), prefix)
+        assert bool(torch.isinf(out[close_key])) == repeats, prefix
+
+
+def test_json_object_is_bounded(compiler):
+    """Past 16 members only '}' may follow (a model inventing new keys forever still has to stop)."""
+    members = ", ".join(f'"k{i}": "v"' for i in range(16))
+    _, out = _feed(compiler, compiler.json_object(), "{" + members)
+    allowed = [compiler.tokenizer.decode([t]) for t in torch.isfinite(out).nonzero().flatten().tolist()]
+    assert allowed and all(a.startswith("}") for a in allowed), allowed[:10]
+    for bad in ('{", ', '{"a": 1e999', '{"a": NaN', '{"a": 1, "a": 2'):  # the degenerate keys it looped on
+        with pytest.raises(AssertionError, match="was masked"):
+            _feed(compiler, compiler.json_object(), bad)
 
 
 def test_tool_choice_required(smol_engine, compiler):
@@ -159,10 +198,41 @@ def test_parallel_calls_then_eos(compiler):
                 '{"name": "add", "arguments": {"a": 3, "b": 4}}]'),
     ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}}; '
                     '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'),
+    ("pythonic", '[add(a=1, b=2), get_weather(city="Oslo", unit="celsius")]'),
 ])
 def test_other_tool_call_formats(compiler, fmt, text):
     proc, _ = _feed(compiler, compiler.tool_calls(TOOLS, force=None, parallel=True, fmt=fmt), text)
     assert proc.matcher.is_accepting()
+
+
+CALLS = [("add", {"a": 1, "b": -2}), ("get_weather", {"city": "Oslo \"N\"", "unit": "celsius"})]
+
+
+@pytest.mark.parametrize("fmt", sorted(builtin.BUILTIN_PARSERS))
+def test_format_grammar_accepts_its_own_rendering(compiler, fmt):
+    """One definition per format: the grammar a format forces accepts exactly what the format renders
+    (and the parser reads back), for a single call and for parallel calls; plan cannot be forced."""
+    form = builtin.BUILTIN_PARSERS[fmt].format
+    if fmt == "plan":
+        with pytest.raises(GrammarError, match="plan"):
+            compiler.tool_calls(TOOLS, force=None, parallel=True, fmt=form)
+        return
+    tools, cases = TOOLS, [CALLS[:1], CALLS]
+    if fmt == "markdown":
+        tools = [{"type": "function", "function": {"name": "python", "parameters": {
+            "type": "object", "properties": {"code": {"type": "string"}}}}}]
+        cases = [[("python", {"code": "x = 1\nprint(x)  # ``\n"})]]
+    for calls in cases:
+        text = form.render_calls(calls)
+        g = compiler.tool_calls(tools, force=None, parallel=len(calls) > 1, fmt=form)
+        proc, out = _feed(compiler, g, text)
+        assert proc.matcher.is_accepting(), (fmt, text)
+        parsed = builtin.BUILTIN_PARSERS[fmt]().parse(text)
+        assert [(e.name, e.arguments) for e in parsed if isinstance(e, ToolCallEnd)] == calls
+    if fmt != "markdown":
+        one = compiler.tool_calls(TOOLS, force="add", parallel=False, fmt=form)
+        proc, out = _feed(compiler, one, form.render_calls(CALLS[:1]))
+        assert proc.done  # one call only: EOS next
 
 
 def test_wrong_tool_name_is_masked(compiler):

@@ -4,6 +4,7 @@ time, with and without preemption (fp32, greedy)."""
 import asyncio
 
 import pytest
+import torch
 
 from interlace.engine_ext.native.engine import NativeEngine
 from interlace.engine_ext.protocol import SamplingParams
@@ -36,12 +37,22 @@ def assert_same(a, b):
         assert all(abs(x - y) < 1e-4 for x, y in zip(la, lb))
 
 
+def _batched(eng, prompts, n):
+    """The concurrent run really shared steps (and reused no cached prefix:
+    each run gets a fresh engine, so nothing is computed once for both)."""
+    st = asyncio.run(eng.check_invariants())
+    assert st["prefix_hit_blocks"] == 0
+    assert eng.stats["steps"] < len(prompts) * n  # fewer steps than tokens: contexts were batched
+
+
 def test_concurrent_equals_sequential(tiny_dirs):
-    with NativeEngine.load(tiny_dirs["qwen2"][0], block_size=4, kv_cache_tokens=1024, max_batched_tokens=24) as eng:
+    kw = dict(block_size=4, kv_cache_tokens=1024, max_batched_tokens=24)
+    with NativeEngine.load(tiny_dirs["qwen2"][0], **kw) as eng:
         seq = sequential(eng, PROMPTS, 16)
+    with NativeEngine.load(tiny_dirs["qwen2"][0], **kw) as eng:
         con = concurrent(eng, PROMPTS, 16)
-        assert_same(seq, con)
-        assert eng.stats["steps"] > 0
+        _batched(eng, PROMPTS, 16)
+    assert_same(seq, con)
 
 
 def test_preemption_gives_same_tokens(tiny_dirs):
@@ -56,12 +67,16 @@ def test_preemption_gives_same_tokens(tiny_dirs):
     assert_same(ref, got)
 
 
-def test_concurrent_equals_sequential_smollm2(smol_engine):
-    tok = smol_engine.tokenizer
-    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in
-               ("Name a fruit.", "What is 3 + 4?", "Say hello in French.", "Describe the sky in five words.")]
-    seq = sequential(smol_engine, prompts, 12)
-    con = concurrent(smol_engine, prompts, 12)
+def test_concurrent_equals_sequential_smollm2(smol_dir):
+    prompts = None
+    with NativeEngine.load(smol_dir, kv_cache_tokens=1024) as eng:
+        tok = eng.tokenizer
+        prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in
+                   ("Name a fruit.", "What is 3 + 4?", "Say hello in French.", "Describe the sky in five words.")]
+        seq = sequential(eng, prompts, 12)
+    with NativeEngine.load(smol_dir, kv_cache_tokens=1024) as eng:
+        con = concurrent(eng, prompts, 12)
+        _batched(eng, prompts, 12)
     assert_same(seq, con)
 
 
@@ -85,6 +100,73 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny_dirs):
         a = asyncio.run(sample("a", 0))
         b = asyncio.run(sample("b", 5))
         assert a == b
+
+
+def _known_logits(generated, logits):
+    """Tokens 10..19 with logits 0, -1, ..., -9; everything else impossible:
+    the distribution each setting must sample from is known exactly."""
+    out = logits.new_full(logits.shape, float("-inf"))
+    out[10:20] = -torch.arange(10, dtype=logits.dtype)
+    return out
+
+
+def _expected(temperature, top_k=0, top_p=1.0):
+    x = -torch.arange(10, dtype=torch.float64) / temperature
+    if top_k:
+        x[top_k:] = float("-inf")
+    p = torch.softmax(x, 0)
+    if top_p < 1.0:
+        keep = (p.cumsum(0) - p) <= top_p
+        p = torch.where(keep, p, torch.zeros_like(p))
+        p = p / p.sum()
+    return p
+
+
+def test_sampling_follows_temperature_top_k_and_top_p(tiny_dirs):
+    """Each setting's token frequencies match its exact distribution (so a
+    sampler that ignored temperature, top-k or top-p would fail), entropy
+    grows with temperature, top-k=1 and a tiny top-p are greedy, and
+    different seeds give different samples."""
+    n = 300
+    settings = {"t0.5": dict(temperature=0.5), "t1": dict(temperature=1.0), "t4": dict(temperature=4.0),
+                "k3": dict(temperature=4.0, top_k=3), "p0.5": dict(temperature=1.0, top_p=0.5),
+                "k1": dict(temperature=1.0, top_k=1), "greedy": dict(temperature=0.0),
+                "t1-seed2": dict(temperature=1.0)}
+    with NativeEngine.load(tiny_dirs["llama"][0], block_size=16, kv_cache_tokens=4096, max_model_len=512) as eng:
+        async def draw(name, kw):
+            await eng.fill(name, [1, 2, 3])
+            sp = SamplingParams(max_tokens=n, ignore_eos=True, seed=2 if name.endswith("seed2") else 1,
+                                logits_processors=[_known_logits], **kw)
+            toks = await _tokens(eng, name, sp)
+            await eng.free_context(name)
+            return toks
+
+        async def go():
+            return dict(zip(settings, await asyncio.gather(*(draw(k, v) for k, v in settings.items()))))
+
+        got = asyncio.run(go())
+
+    def freqs(toks):
+        assert all(10 <= t < 20 for t in toks)
+        return torch.bincount(torch.tensor(toks) - 10, minlength=10).double() / len(toks)
+
+    def entropy(f):
+        f = f[f > 0]
+        return float(-(f * f.log()).sum())
+
+    for name, kw in settings.items():
+        if name == "greedy" or "seed" in name:
+            continue
+        exp = _expected(kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0))
+        f = freqs(got[name])
+        bound = 4.5 * (exp * (1 - exp) / n).sqrt() + 1.0 / n
+        assert ((f - exp).abs() <= bound).all(), (name, f.tolist(), exp.tolist())
+    h = {k: entropy(freqs(v)) for k, v in got.items()}
+    assert h["greedy"] == h["k1"] == h["p0.5"] == 0.0  # all token 10, the argmax
+    assert got["greedy"] == got["k1"] == got["p0.5"] == [10] * n
+    assert 0.3 < h["t0.5"] < h["t1"] < h["t4"]
+    assert h["k3"] < h["t4"]
+    assert got["t1"] != got["t1-seed2"]
 
 
 async def _tokens(eng, cid, sp):

@@ -1,5 +1,7 @@
 """Our Llama-family decoder against transformers' reference, through the
-engine's paged cache: prefill, token-by-token decode, forks and prefix reuse."""
+engine's paged cache: prefill, token-by-token decode, forks and prefix reuse.
+The tiny Mistral has a 6-token sliding window, shorter than every sequence
+here, so each of these checks also covers windowed attention."""
 
 import asyncio
 
@@ -9,7 +11,7 @@ import torch
 from conftest import run
 from interlace.engine_ext.native.engine import NativeEngine
 
-KINDS = ["llama", "qwen2", "qwen3"]
+KINDS = ["llama", "qwen2", "qwen3", "mistral"]
 TOKENS = [5, 17, 33, 200, 7, 8, 9, 10, 11, 12, 13, 99, 250, 3, 1, 2, 64, 65, 66, 300, 301, 42]
 
 
@@ -85,6 +87,55 @@ def test_prefix_reuse_matches_reference(pair):
     logits, hits = run(go())
     assert hits == 4  # 16 tokens / block size 4
     torch.testing.assert_close(logits, ref_logits(hf, TOKENS[:16] + [77, 78])[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_matches_reference(kind, tiny_dirs):
+    """A prompt computed in chunks of 5 (each chunk attends to the cache
+    written by the earlier ones, through the window where there is one)."""
+    d, hf = tiny_dirs[kind]
+    with NativeEngine.load(d, block_size=4, kv_cache_tokens=512, max_batched_tokens=5) as eng:
+        async def go():
+            await eng.fill("c", TOKENS)
+            return await eng.last_logits("c"), eng.stats["steps"]
+
+        logits, steps = run(go())
+    assert steps == 5  # 22 tokens in chunks of at most 5
+    torch.testing.assert_close(logits, ref_logits(hf, TOKENS)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_is_honoured(tiny_dirs):
+    """The reference itself differs from full attention past the window, so
+    the checks above would catch an engine that ignored it."""
+    d, hf = tiny_dirs["mistral"]
+    assert hf.config.sliding_window == 6
+    eng_cfg = NativeEngine.load(d, block_size=4, kv_cache_tokens=64)
+    try:
+        assert eng_cfg.cfg.sliding_window == 6
+    finally:
+        eng_cfg.close()
+    windowed = ref_logits(hf, TOKENS)
+    hf.config.sliding_window = None
+    try:
+        full = ref_logits(hf, TOKENS)
+    finally:
+        hf.config.sliding_window = 6
+    torch.testing.assert_close(windowed[:6], full[:6])
+    assert (windowed[6:] - full[6:]).abs().amax(-1).min() > 0.1
+
+
+def test_mixed_window_layers_are_refused():
+    from interlace.engine_ext.native.models import ModelConfig, UnsupportedModel
+
+    base = dict(model_type="qwen2", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+    assert ModelConfig.from_hf({**base, "use_sliding_window": False, "sliding_window": 32}).sliding_window is None
+    with pytest.raises(UnsupportedModel, match="sliding-window"):
+        ModelConfig.from_hf({**base, "use_sliding_window": True, "sliding_window": 32})
+    with pytest.raises(UnsupportedModel, match="sliding-window"):
+        ModelConfig.from_hf({**base, "layer_types": ["full_attention", "sliding_attention"]})
+    with pytest.raises(UnsupportedModel, match="sliding_window"):
+        ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 0})
 
 
 def test_greedy_generation_matches_reference(pair):

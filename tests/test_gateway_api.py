@@ -39,7 +39,8 @@ def live(tmp_path_factory):
     # float32 pinned: the default ("auto") is bfloat16 on CPUs that have it, and the
     # greedy outputs these tests read must not depend on the CI machine's CPU.
     m = {"path": "embedded", "kv_cache_tokens": 8192, "dtype": "float32"}
-    cfg = {"server": {"api_keys": [KEY]},
+    # replay and server tools are off by default: this gateway's one key may use both
+    cfg = {"server": {"api_keys": [KEY], "server_tools": True, "replay": True},
            "models": {"smollm2": m, "smollm2-code": {**m, "parser": "markdown"}},
            "tools": {"sqlite": {"database": str(db)}}}
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -108,15 +109,21 @@ def test_streaming_with_usage(live, client):
 
 
 def test_tool_choice_none_and_auto(live, client):
-    r = client.chat.completions.create(model="smollm2", messages=USER, tools=[WEATHER], tool_choice="none",
-                                       max_tokens=10, temperature=0)
-    assert r.choices[0].message.tool_calls is None
-    # auto, with the model's output replayed so the test does not depend on the small model's skill
+    """The same replayed call text: content with tool_choice "none" (the tools
+    are still in the prompt, as with OpenAI), a tool call with "auto"."""
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    replay = {"interlace": {"replay": call}}
+    bare = client.chat.completions.create(model="smollm2", messages=USER, max_tokens=60, extra_body=replay)
+    none = client.chat.completions.create(model="smollm2", messages=USER, tools=[WEATHER, TIME], tool_choice="none",
+                                          max_tokens=60, extra_body=replay)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason == "stop"
+    assert none.choices[0].message.content == call
+    # auto, with the model's output replayed so the test does not depend on the small model's skill
     r = client.chat.completions.create(model="smollm2", messages=USER, tools=[WEATHER, TIME], tool_choice="auto",
-                                       max_tokens=60, extra_body={"interlace": {"replay": call}})
+                                       max_tokens=60, extra_body=replay)
+    assert none.usage.prompt_tokens == r.usage.prompt_tokens > bare.usage.prompt_tokens + 50  # tools shown
     ch = r.choices[0]
-    assert ch.finish_reason == "tool_calls"
+    assert ch.finish_reason == "tool_calls" and not ch.message.content
     (tc,) = ch.message.tool_calls
     assert tc.type == "function" and tc.function.name == "get_weather" and tc.id.startswith("call_")
     assert json.loads(tc.function.arguments) == {"city": "Paris", "unit": "celsius"}

@@ -34,6 +34,7 @@ from interlace.parsers import (
 )
 from interlace.parsers import builtin
 from interlace.parsers.events import Event
+from interlace.parsers.formats import FormatError, ToolFormat, check_format
 
 PARSERS: dict[str, type[StreamingParser]] = {
     "hermes": HermesParser,
@@ -312,8 +313,10 @@ def test_pythonic() -> None:
         ("ping", {}),
     ]
     assert [e.key for e in ev if isinstance(e, FieldComplete)] == ["city", "unit", "days", "query", "k", "exact"]
-    for s in SAMPLES["pythonic"][1:3]:  # not a leading call list: text
-        assert normalise(run("pythonic", s)) == [Text(s)]
+    s = SAMPLES["pythonic"][1]  # "[1] See ...": not a call list, text
+    assert normalise(run("pythonic", s)) == [Text(s)]
+    ev = run("pythonic", SAMPLES["pythonic"][2])  # a list after prose is a call (as SGLang reads it)
+    assert calls(ev) == [("f", {"x": 1})] and text_of(ev) == "The answer is  maybe."
     assert calls(run("pythonic", SAMPLES["pythonic"][5])) == [("g", {"x": "its"})]
 
 
@@ -553,31 +556,253 @@ def test_feed_after_finish_raises() -> None:
 def test_registry() -> None:
     reg = builtin.load_registry()
     assert reg.names() == sorted(PARSERS)
-    assert isinstance(reg.create("hermes"), HermesParser)
     assert reg.create("plan") is not reg.create("plan")
     with pytest.raises(UnknownParserError) as exc:
         reg.create("nope")
     assert "hermes" in str(exc.value)
     with pytest.raises(DuplicateParserError):
         reg.register("hermes", HermesParser)
-    assert isinstance(builtin.get_parser("markdown"), MarkdownCodeParser)
+    for name in reg.names():  # each name maps to the parser whose format carries that name
+        parser = reg.create(name)
+        assert type(parser) is PARSERS[name] and parser.format.name == name
+        assert check_format(reg.get(name).format, name) is parser.format
+
+
+class _NoFormat(StreamingParser):
+    name = "noformat"
+
+
+class _BadFormat(StreamingParser):
+    format = type("F", (), {"name": "bad", "call_end": "</x>", "special_tokens": ()})()
+
+
+class _Custom(PlanParser):
+    """A third-party parser: reuses the plan parser, writes its own format."""
+
+    class _Fmt(ToolFormat):
+        name = "mine"
+        call_end = ("join()",)
+
+        def instructions(self, functions):  # type: ignore[no-untyped-def]
+            return "tools: " + ", ".join(f["name"] for f in functions)
+
+        def render_call(self, name, arguments):  # type: ignore[no-untyped-def]
+            return PlanParser.format.render_call(name, arguments)
+
+        def render_result(self, content):  # type: ignore[no-untyped-def]
+            return content
+
+    format = _Fmt()
 
 
 def test_registry_through_plugin_manager() -> None:
     class ThirdParty:
         @hookspecs.hookimpl
         def register_parsers(self, register: Callable) -> None:
-            register("mine", lambda: PlanParser())
+            register("mine", _Custom)
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     pm.register(builtin)
     pm.register(ThirdParty())
     reg = builtin.load_registry(pm)
-    assert "mine" in reg and "hermes" in reg and len(reg) == len(PARSERS) + 1
-    assert isinstance(ParserRegistry().__class__(), ParserRegistry)
+    assert reg.names() == sorted([*PARSERS, "mine"])
+    assert reg.get("mine").format.instructions([{"name": "f"}, {"name": "g"}]) == "tools: f, g"
+    p = reg.create("mine")
+    assert calls(p.parse(p.format.render_calls([("f", {"step": 1, "args": ["x"], "kwargs": {}, "depends_on": []})])))
+
+
+@pytest.mark.parametrize("factory,match", [
+    (_NoFormat, "has no `format`"),
+    (lambda: PlanParser(), "has no `format`"),  # a bare lambda cannot tell the gateway its format
+    (_BadFormat, "call_end.*tuple"),
+])
+def test_parser_without_a_format_is_refused(factory: Callable, match: str) -> None:
+    with pytest.raises(FormatError, match=match):
+        ParserRegistry().register("x", factory)
+
+
+# ---------------------------------------------- formats round-trip through their parsers ----
+
+_KEYS = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True).filter(lambda k: k not in ("true", "false", "null"))
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12),
+                     st.floats(allow_nan=False, allow_infinity=False, width=64),
+                     st.text(st.characters(blacklist_categories=("Cs",)), max_size=12))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                          st.dictionaries(_KEYS, inner, max_size=3)), max_leaves=8)
+_NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,12}(\.[a-z_][a-z0-9_]{0,6})?", fullmatch=True)
+
+
+def _call_strategy(fmt: str) -> st.SearchStrategy:
+    if fmt == "markdown":
+        code = st.lists(st.from_regex(r"[a-z_]{1,6} = [0-9]{1,4}|print\([a-z0-9 +]{0,10}\)|# [a-z `]{0,10}",
+                                      fullmatch=True), max_size=4).map(lambda ls: "".join(line + "\n" for line in ls))
+        return st.tuples(st.just("python"), st.fixed_dictionaries({"code": code}))
+    if fmt == "plan":
+        args = st.lists(_VALUES.filter(lambda v: "$" not in json.dumps(v)), max_size=3)
+        kwargs = st.dictionaries(_KEYS, _VALUES.filter(lambda v: "$" not in json.dumps(v)), max_size=2)
+        return st.tuples(_NAMES, st.builds(lambda a, k: {"step": 1, "args": a, "kwargs": k, "depends_on": []},
+                                           args, kwargs))
+    keys = _KEYS if fmt == "pythonic" else st.text(max_size=8)
+    return st.tuples(_NAMES, st.dictionaries(keys, _VALUES, max_size=4))
+
+
+def _numbered(fmt: str, cs: list) -> list:
+    if fmt != "plan":
+        return cs
+    return [(n, {**a, "step": i + 1}) for i, (n, a) in enumerate(cs)]
+
+
+@pytest.mark.parametrize("fmt", sorted(PARSERS))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_format_renders_what_its_parser_reads(fmt: str, data: st.DataObject) -> None:
+    """Every registered format: render_call / render_calls parsed by the same parser give the same calls,
+    and the call-end markers agree with the parser: once the text up to the last marker has been fed, every
+    call has ended; at any marker where the parser says it is not inside a call, every started call has ended."""
+    reg = builtin.load_registry()
+    form = reg.get(fmt).format
+    cs = _numbered(fmt, data.draw(st.lists(_call_strategy(fmt), min_size=1, max_size=3)))
+    name, args = cs[0]
+    assert calls(reg.create(fmt).parse(form.render_call(name, args))) == [(name, args)]
+    text = form.render_calls(cs)
+    events = run(fmt, text, data.draw(st.lists(st.integers(0, len(text)), max_size=4)))
+    check_invariants(events)
+    assert calls(events) == cs, text
+    assert not [e for e in events if isinstance(e, ParserError)]
+    ends = [i + len(m) for m in form.call_end for i in range(len(text)) if text.startswith(m, i)]
+    assert ends, f"{fmt}: no call_end marker {form.call_end} in its own rendering {text!r}"
+    for end in sorted(set(ends)):
+        p = make(fmt)
+        ev = p.feed(text[:end])
+        started = {e.index for e in ev if isinstance(e, ToolCallStart)}
+        ended = {e.index for e in ev if isinstance(e, ToolCallEnd)}
+        if not p.in_call:
+            assert started == ended, f"{fmt}: paused at {end} outside a call with calls still open: {text!r}"
+        if end == max(ends):
+            assert not p.in_call and len(ended) == len(cs), f"{fmt}: the last marker does not end the calls"
 
 
 def test_random_ids() -> None:
     ids = {HermesParser().parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>')[0].id for _ in range(20)}
     assert len(ids) == 20 and all(i.startswith("call_") and len(i) == 29 for i in ids)
+
+
+# ------------------------------ outputs from vLLM's and SGLang's parser tests ----
+# (tests/tool_parsers/test_mistral_tool_parser.py, test_llama3_json ..., sglang's
+# function_call tests): what they accept, we accept, unless it is unsafe.
+
+COMPAT = [
+    # Mistral v11 as decoded with [ARGS] skipped (vLLM: "single_tool_add", "multiple_tool_calls", "complex")
+    ("mistral", '[TOOL_CALLS]add_this_and_that{"a": 3.5, "b": 4}', "",
+     [("add_this_and_that", {"a": 3.5, "b": 4})]),
+    ("mistral", '[TOOL_CALLS]add{"a": 3.5, "b": 4}[TOOL_CALLS]multiply{"a": 3, "b": 6}', "",
+     [("add", {"a": 3.5, "b": 4}), ("multiply", {"a": 3, "b": 6})]),
+    ("mistral", 'hi{hi[TOOL_CALLS]bash{"command": "print(\\"hello world!\\")\\nre.compile(r\'{}\')"}', "hi{hi",
+     [("bash", {"command": "print(\"hello world!\")\nre.compile(r'{}')"})]),
+    ("mistral", '[TOOL_CALLS]get_current_weather[ARGS]{"city": "San Francisco", "state": "CA", "unit": "celsius"}',
+     "", [("get_current_weather", {"city": "San Francisco", "state": "CA", "unit": "celsius"})]),
+    # Mistral pre-v11 (vLLM: "argument_before_name", "content_before_tool", "multiple_tools")
+    ("mistral", '[TOOL_CALLS] [{"arguments":{"city": "San Francisco", "state": "CA", "unit": "celsius"}, '
+                '"name": "get_current_weather"}]', "",
+     [("get_current_weather", {"city": "San Francisco", "state": "CA", "unit": "celsius"})]),
+    ("mistral", 'Hello[TOOL_CALLS] [{"name": "add", "arguments":{"a": 1, "b": 2}}]', "Hello", [("add", {"a": 1, "b": 2})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 3.5, "b": 4}}, {"name": "get_current_weather", '
+                '"arguments":{"city": "San Francisco", "state": "CA", "unit": "celsius"}}]', "",
+     [("add", {"a": 3.5, "b": 4}),
+      ("get_current_weather", {"city": "San Francisco", "state": "CA", "unit": "celsius"})]),
+    # Llama: prose before <|python_tag|> (SGLang test_llama_python_tag_format); newline- and ';'-separated calls
+    ("llama3_json", 'Here are some results: <|python_tag|>{"name": "search", "parameters": {"query": "weather"}}',
+     "Here are some results: ", [("search", {"query": "weather"})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "SF"}}\n'
+                    '{"name": "get_time", "parameters": {"tz": "PST"}}', "",
+     [("get_weather", {"city": "SF"}), ("get_time", {"tz": "PST"})]),
+    ("llama3_json", '<|python_tag|>{"name": "fn1", "arguments": {"a": 1}}; {"name": "fn2", "arguments": {"b": 2}}', "",
+     [("fn1", {"a": 1}), ("fn2", {"b": 2})]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "SF"}}\n{"answer": "not a call"}',
+     '\n{"answer": "not a call"}', [("get_weather", {"city": "SF"})]),
+    # pythonic (vLLM's pythonic tests), JSON literals as Llama 4 sometimes writes them
+    ("pythonic", "[get_weather(city='San Francisco', metric='celsius'), do_something_cool()]", "",
+     [("get_weather", {"city": "San Francisco", "metric": "celsius"}), ("do_something_cool", {})]),
+    ("pythonic", '<|python_start|>[register_user(name="Doe", age=9, address={"city": "SF"}, flag=true, x=null)]'
+                 "<|python_end|>", "",
+     [("register_user", {"name": "Doe", "age": 9, "address": {"city": "SF"}, "flag": True, "x": None})]),
+    # markdown: a closing fence at the very end of the stream, no newline after it
+    ("markdown", "```python\nprint(1)\n```", "", [("python", {"code": "print(1)\n"})]),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "expected"), COMPAT)
+def test_accepts_what_vllm_and_sglang_accept(fmt: str, text: str, content: str, expected: list) -> None:
+    for cuts in ((), range(len(text))):
+        events = run(fmt, text, cuts)
+        check_invariants(events)
+        assert calls(events) == expected
+        assert text_of(events) == content
+        assert not [e for e in events if isinstance(e, ParserError)]
+
+
+SALVAGE = [
+    ("llama3_json", '{"name": "good1", "parameters": {"x": 1}}; {"name": "bad", "parameters": {"x": 1,, "y": '
+                    '{"z": "}"}}}; {"name": "good2", "parameters": {"y": 2}}'),
+    ("llama3_json", '<|python_tag|>{"name": "good1", "parameters": {"x": 1}}\n{"name": "bad", "parameters": '
+                    '{"x": NaN}}\n{"name": "good2", "parameters": {"y": 2}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "good1", "arguments": {"x": 1}}, {"name": "bad", "arguments": {"x": [1,]}}, '
+                '{"name": "good2", "arguments": {"y": 2}}]'),
+    ("mistral", '[TOOL_CALLS]good1{"x": 1}[TOOL_CALLS]bad{"x": Infinity}[TOOL_CALLS]good2{"y": 2}'),
+    ("pythonic", '[good1(x=1), bad(1, y=2), good2(y=2)]'),
+    ("pythonic", '[good1(x=1), bad(x=1e999), good2(y=2)]'),
+    ("hermes", '<tool_call>{"name": "good1", "arguments": {"x": 1}}</tool_call><tool_call>{"name": "bad", '
+               '"arguments": {"x": -Infinity}}</tool_call><tool_call>{"name": "good2", "arguments": {"y": 2}}</tool_call>'),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text"), SALVAGE)
+def test_valid_siblings_of_a_malformed_call_are_kept(fmt: str, text: str) -> None:
+    for cuts in ((), range(len(text))):
+        events = run(fmt, text, cuts)
+        check_invariants(events)
+        assert calls(events) == [("good1", {"x": 1}), ("good2", {"y": 2})]
+        errors = [e for e in events if isinstance(e, ParserError)]
+        assert len(errors) == 1 and errors[0].index == 1 and "bad" not in text_of(events)
+
+
+@pytest.mark.parametrize(("fmt", "text"), [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": [1, 1e999]}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"x\\": Infinity}"}</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": {"y": -Infinity}}}]'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"x": -1e400}'),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": NaN}}'),
+    ("pythonic", "[f(x=1e999)]"),
+    ("pythonic", "[f(x=[1, -1e999])]"),
+    ("plan", "$1 = f(1e999)\n"),
+    ("plan", "$1 = f(x={1, 2})\n"),  # a set: not JSON data either
+])
+def test_non_finite_numbers_make_a_call_malformed(fmt: str, text: str) -> None:
+    events = run(fmt, text)
+    check_invariants(events)
+    assert calls(events) == [] and [e for e in events if isinstance(e, ParserError)]
+    for e in events:  # nothing that reaches a client carries a non-JSON number
+        if isinstance(e, ArgumentsDelta):
+            assert "Infinity" not in e.fragment and "NaN" not in e.fragment
+
+
+@pytest.mark.parametrize(("text", "content", "expected"), [
+    # SGLang's TestPythonicDetector outputs
+    ("Here's a tool call: [get_weather(location='New York', unit='celsius')]", "Here's a tool call: ",
+     [("get_weather", {"location": "New York", "unit": "celsius"})]),
+    ("[get_weather(location='Berlin')] and [search(query='restaurants')]", " and ",
+     [("get_weather", {"location": "Berlin"}), ("search", {"query": "restaurants"})]),
+    ("[get_weather(location='Tokyo')] Here's the forecast:", " Here's the forecast:",
+     [("get_weather", {"location": "Tokyo"})]),
+    ("Here's a call: <|python_start|>[get_weather(location='Tokyo', data=[1, 2, 3])]<|python_end|>",
+     "Here's a call: ", [("get_weather", {"location": "Tokyo", "data": [1, 2, 3]})]),
+    ("See [1] and [the docs](http://x) or [a, b]; [f] (not a call", "See [1] and [the docs](http://x) or [a, b]; "
+     "[f] (not a call", []),
+])
+def test_pythonic_after_prose(text: str, content: str, expected: list) -> None:
+    for cuts in ((), range(len(text))):
+        events = run("pythonic", text, cuts)
+        check_invariants(events)
+        assert calls(events) == expected and text_of(events) == content

@@ -7,6 +7,7 @@ The tools below run in worker processes; they live at module level so the
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from typing import Any
@@ -14,13 +15,14 @@ from typing import Any
 import psutil
 import pytest
 
-from interlace.gateway.tool_runtime import ToolResult, ToolRuntime
+from interlace.gateway.tool_runtime import ToolCall, ToolResult, ToolRuntime
 from interlace.gateway.tools import (
     Granularity,
     InvalidToolArguments,
     Tool,
     ToolConfigError,
     ToolError,
+    ToolTimeout,
     ToolVetoed,
     UnknownTool,
 )
@@ -99,6 +101,47 @@ class MisbehavingTool(Tool):
         if action == "unjsonable":
             return {1, 2}
         return {"pid": os.getpid(), "did": action}
+
+
+class OrderTool(Tool):
+    """Returns its ``label`` after ``sleep`` seconds: shows the order calls got the worker in."""
+
+    name = "order"
+    parameters = {"type": "object", "properties": {"label": {"type": "string"}, "sleep": {"type": "number"}}}
+    workers = 1
+
+    def on_finish(self, arguments: dict[str, Any]) -> str:
+        time.sleep(arguments.get("sleep", 0.0))
+        return arguments["label"]
+
+
+class HogTool(Tool):
+    """Burns CPU, memory or forks on demand, in a reusable worker (not the python tool)."""
+
+    name = "hog"
+    parameters = {"type": "object", "properties": {"do": {"type": "string"}}, "required": ["do"]}
+    memory_mb = 256
+    cpu_s = 0.5
+    timeout_s = 60.0
+
+    def on_finish(self, arguments: dict[str, Any]) -> Any:
+        action = arguments["do"]
+        if action == "spin":
+            while True:
+                pass
+        if action == "alloc":
+            return len(bytearray(600 << 20))
+        if action == "fork":  # a child that never exits: returns, like its parent, into the worker loop
+            os.fork()
+            return {"pid": os.getpid()}
+        if action == "env":
+            return {"env": dict(os.environ), "cwd": os.getcwd()}
+        if action == "spawn-and-hang":
+            import subprocess
+
+            subprocess.Popen(["sleep", "1000"])
+            time.sleep(1000)
+        return {"pid": os.getpid()}
 
 
 def run(coro: Any) -> Any:
@@ -411,3 +454,170 @@ class BrokenInitTool(Tool):
 
     def on_finish(self, arguments: dict[str, Any]) -> str:
         return "unreachable"
+
+
+# --------------------------------------------------------------------------- limits on every worker
+
+
+def test_wall_time_starts_at_begin_not_at_finish() -> None:
+    """A statement that hangs while the model is still writing is killed at the deadline."""
+
+    async def main() -> tuple[ToolCall, float, ToolResult, ToolResult]:
+        async with ToolRuntime([MisbehavingTool()]) as rt:  # timeout_s = 0.5
+            call = await rt.begin("misbehave")
+            await call.line("hang")
+            t0 = time.monotonic()
+            await wait_for(lambda: call.failure is not None, timeout=10)  # finish() is never called
+            waited = time.monotonic() - t0
+            with pytest.raises(ToolTimeout):
+                await call.line("more")
+            result = await call.finish({"do": "ok"})
+            after = await rt.run("misbehave", {"do": "ok"})
+            return call, waited, result, after
+
+    call, waited, result, after = run(main())
+    assert isinstance(call.failure, ToolTimeout) and "wall-time limit of 0.5s" in str(call.failure)
+    assert waited < 5 and not result.ok and result.error_type == "ToolTimeout"
+    assert not psutil.pid_exists(result.worker_pid) or psutil.Process(result.worker_pid).status() == "zombie"
+    assert after.ok and after.worker_pid != result.worker_pid
+
+
+def test_slow_model_between_events_is_not_held_against_the_tool() -> None:
+    """The wall clock runs while the worker works on the call, not while the model decodes."""
+    tool = EventsTool()
+    tool.timeout_s = 0.5
+
+    async def main() -> ToolResult:
+        async with ToolRuntime([tool]) as rt:
+            call = await rt.begin("events")
+            await call.field("a", 1)
+            await asyncio.sleep(1.2)  # the model takes its time writing "b"
+            await call.field("b", "x")
+            await asyncio.sleep(0.6)
+            return await call.finish({"a": 1, "b": "x"})
+
+    result = run(main())
+    assert result.ok, result.error
+
+
+def test_timeout_kills_the_whole_process_group() -> None:
+    async def main() -> tuple[ToolResult, list[int]]:
+        async with ToolRuntime([HogTool()]) as rt:
+            call = await rt.begin("hog", timeout_s=1.5)
+            result_task = asyncio.create_task(call.finish({"do": "spawn-and-hang"}))
+            await wait_for(lambda: call._worker_pid is not None, timeout=10)
+            worker = psutil.Process(call._worker_pid)
+            await wait_for(lambda: bool(worker.children()), timeout=10)
+            sleepers = [c.pid for c in worker.children()]
+            return await result_task, sleepers
+
+    result, sleepers = run(main())
+    assert not result.ok and result.error_type == "ToolTimeout" and sleepers
+    for pid in sleepers:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_cpu_limit_applies_to_every_worker() -> None:
+    async def main() -> tuple[float, ToolResult, ToolResult]:
+        async with ToolRuntime([HogTool()]) as rt:  # cpu_s = 0.5, timeout_s = 60
+            t0 = time.monotonic()
+            spun = await rt.run("hog", {"do": "spin"})
+            elapsed = time.monotonic() - t0
+            return elapsed, spun, await rt.run("hog", {"do": "ok"})
+
+    elapsed, spun, after = run(main())
+    assert not spun.ok and spun.error_type == "ToolTimeout" and "CPU time limit of 0.5s" in spun.error
+    assert elapsed < 30  # far below the 60 s wall-time limit, even on a loaded machine
+    assert after.ok and after.worker_pid == spun.worker_pid  # the budget is per call: the worker goes on
+
+
+def test_memory_limit_applies_to_every_worker() -> None:
+    async def main() -> tuple[ToolResult, list[dict[str, Any]]]:
+        async with ToolRuntime([HogTool()]) as rt:  # memory_mb = 256
+            return await rt.run("hog", {"do": "alloc"}), rt.worker_info("hog")
+
+    result, infos = run(main())
+    assert not result.ok and result.error_type == "MemoryError"
+    assert infos[0]["rlimits"]["RLIMIT_AS"] == [256 << 20, 256 << 20]
+
+
+def test_workers_get_a_clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INTERLACE_TEST_GATEWAY_SECRET", "sk-secret")
+    tool = HogTool()
+    tool.env = {"TOOL_SETTING": "visible"}
+
+    async def main() -> ToolResult:
+        async with ToolRuntime([tool]) as rt:
+            return await rt.run("hog", {"do": "env"})
+
+    result = run(main())
+    env, cwd = result.content["env"], result.content["cwd"]
+    assert "INTERLACE_TEST_GATEWAY_SECRET" not in env and "sk-secret" not in json.dumps(env)
+    assert set(env) == {"PATH", "LANG", "HOME", "TMPDIR", "TOOL_SETTING"} and env["TOOL_SETTING"] == "visible"
+    assert env["HOME"] == env["TMPDIR"] == cwd and not os.path.exists(cwd)  # scratch removed with the worker
+
+
+def test_fork_without_exit_does_not_corrupt_the_pipe() -> None:
+    """The forked child returns into the worker loop too: it must exit before touching the pipe."""
+
+    async def main() -> tuple[ToolResult, ToolResult, float]:
+        async with ToolRuntime([HogTool()], workers=1) as rt:
+            forked = await rt.run("hog", {"do": "fork"})
+            t0 = time.monotonic()
+            after = await rt.run("hog", {"do": "ok"})
+            return forked, after, time.monotonic() - t0
+
+    forked, after, waited = run(main())
+    assert forked.ok and forked.content["pid"] == forked.worker_pid
+    assert after.ok and after.worker_pid == forked.worker_pid and waited < 5
+
+
+# --------------------------------------------------------------------------- pool sizing and fairness
+
+
+def test_two_keys_alternate_on_one_worker() -> None:
+    """Round-robin between keys: alice's backlog does not starve bob."""
+
+    async def main() -> list[str]:
+        async with ToolRuntime([OrderTool()]) as rt:
+            blocker = asyncio.create_task(rt.run("order", {"label": "block", "sleep": 2}, request={"key": "x"}))
+            await asyncio.sleep(0.1)
+            tasks = []
+            for label, key in [("a1", "alice"), ("a2", "alice"), ("a3", "alice"), ("a4", "alice"),
+                               ("b1", "bob"), ("b2", "bob")]:
+                tasks.append(asyncio.create_task(rt.run("order", {"label": label}, request={"key": key})))
+                await asyncio.sleep(0.01)  # queued in this order
+            await blocker
+            results = await asyncio.gather(*tasks)
+            return [r.content for r in sorted(results, key=lambda r: r.finished_at)]
+
+    assert run(main()) == ["a1", "b1", "a2", "b2", "a3", "a4"]
+
+
+def test_fast_call_not_blocked_behind_slow_one_with_two_workers() -> None:
+    tool = OrderTool()
+    tool.workers = 2  # what the built-in tools default to
+
+    async def main() -> tuple[ToolResult, ToolResult]:
+        async with ToolRuntime([tool]) as rt:
+            slow = asyncio.create_task(rt.run("order", {"label": "slow", "sleep": 3}))
+            await asyncio.sleep(0.2)
+            fast = await rt.run("order", {"label": "fast"})
+            return fast, await slow
+
+    fast, slow = run(main())
+    assert fast.ok and slow.ok and fast.finished_at < slow.finished_at - 1
+
+
+def test_waiting_caller_that_gives_up_leaves_the_queue() -> None:
+    async def main() -> tuple[ToolResult, ToolResult]:
+        async with ToolRuntime([OrderTool()], acquire_timeout_s=0.3) as rt:
+            slow = asyncio.create_task(rt.run("order", {"label": "slow", "sleep": 1}))
+            await asyncio.sleep(0.1)
+            starved = await rt.run("order", {"label": "late"})
+            await slow
+            return starved, await rt.run("order", {"label": "next"})
+
+    starved, after = run(main())
+    assert not starved.ok and "became free" in starved.error
+    assert after.ok and after.content == "next"

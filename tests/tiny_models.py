@@ -17,6 +17,11 @@ CONFIGS = {
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=320,
                   max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+    # a window much shorter than the test sequences, so windowed attention differs from full attention
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=64,
+                    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=320, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                    tie_word_embeddings=False, sliding_window=6),
 }
 
 

@@ -8,6 +8,13 @@ token prefix that some earlier context computed: every *full* computed block
 is registered under a chained hash of all tokens up to its end, so equal
 prefixes map to equal hashes (vLLM's automatic prefix caching).
 
+The chain hash is a keyed BLAKE2b digest (256 bits) of the previous block's
+digest and the block's token ids, with a random key per cache.  A hit thus
+means the whole prefix is equal, not just the block's own tokens: an
+unkeyed 64-bit hash (Python's ``hash``) lets anyone who can choose prompts
+search offline for a colliding prefix and have another tenant's request read
+KV computed for different tokens (the class of vLLM's CVE-2025-25183).
+
 Each block is always in exactly one of three states, which
 :meth:`BlockManager.check_invariants` verifies:
 
@@ -22,6 +29,9 @@ the copy-on-write copies this module asks for).  Free of torch.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -35,13 +45,18 @@ class OutOfBlocks(Exception):
 class Block:
     id: int
     ref_count: int = 0
-    hash: Optional[int] = None
-    tokens: Optional[Tuple[int, ...]] = None  # kept for hashed blocks to rule out collisions
+    hash: Optional[bytes] = None
 
 
-def chain_hash(parent_hash: Optional[int], tokens: Sequence[int]) -> int:
-    """Hash of a full block given the hash of the block before it."""
-    return hash((parent_hash, tuple(tokens)))
+_ROOT = b"\0" * 32  # the "parent digest" of a context's first block
+
+
+def chain_hash(key: bytes, parent: Optional[bytes], tokens: Sequence[int]) -> bytes:
+    """Digest of a full block: keyed BLAKE2b over the digest of the block
+    before it and the block's token ids (4 bytes each, little-endian)."""
+    h = hashlib.blake2b(parent or _ROOT, key=key, digest_size=32)
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    return h.digest()
 
 
 @dataclass
@@ -50,22 +65,25 @@ class BlockTable:
     full, computed blocks (``len(hashes) <= len(blocks)``)."""
 
     blocks: List[int] = field(default_factory=list)
-    hashes: List[int] = field(default_factory=list)
+    hashes: List[bytes] = field(default_factory=list)
 
     def copy(self) -> "BlockTable":
         return BlockTable(list(self.blocks), list(self.hashes))
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, hash_key: Optional[bytes] = None):
+        """``hash_key`` keys the prefix-cache digests; a fresh random one by
+        default (tests pass their own)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.hash_key = hash_key if hash_key is not None else os.urandom(32)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: Deque[int] = deque(range(num_blocks))
         self.evictable: "OrderedDict[int, None]" = OrderedDict()  # LRU order: oldest first
-        self.by_hash: Dict[int, int] = {}
+        self.by_hash: Dict[bytes, int] = {}
         self.stats = {"prefix_hit_blocks": 0, "evictions": 0, "cow_copies": 0}
 
     # ------------------------------------------------------------------ counts
@@ -89,7 +107,7 @@ class BlockManager:
             bid, _ = self.evictable.popitem(last=False)
             blk = self.blocks[bid]
             del self.by_hash[blk.hash]
-            blk.hash, blk.tokens = None, None
+            blk.hash = None
             self.stats["evictions"] += 1
         else:
             raise OutOfBlocks()
@@ -136,12 +154,11 @@ class BlockManager:
         assert not table.blocks
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
-        parent: Optional[int] = None
+        parent: Optional[bytes] = None
         for i in range(max_blocks):
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, chunk)
+            h = chain_hash(self.hash_key, parent, token_ids[i * bs:(i + 1) * bs])
             bid = self.by_hash.get(h)
-            if bid is None or self.blocks[bid].tokens != chunk:
+            if bid is None:
                 break
             self.incref(bid)
             table.blocks.append(bid)
@@ -187,12 +204,12 @@ class BlockManager:
         bs = self.block_size
         while len(table.hashes) < num_computed // bs:
             i = len(table.hashes)
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(table.hashes[-1] if table.hashes else None, chunk)
+            h = chain_hash(self.hash_key, table.hashes[-1] if table.hashes else None,
+                           token_ids[i * bs:(i + 1) * bs])
             table.hashes.append(h)
             blk = self.blocks[table.blocks[i]]
             if blk.hash is None and h not in self.by_hash:
-                blk.hash, blk.tokens = h, chunk
+                blk.hash = h
                 self.by_hash[h] = blk.id
 
     # --------------------------------------------------------------- checking

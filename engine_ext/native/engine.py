@@ -7,6 +7,13 @@ HTTP.  The public coroutines send a command to that thread and await its
 future; each command validates everything first and raises a typed error
 before changing anything, so a failed call leaves the engine as it was.
 Token events travel back with ``loop.call_soon_threadsafe``.
+
+Cancellation leaves nothing behind: a command whose caller is cancelled
+before the engine thread takes it is skipped; a cancelled ``generate`` is
+aborted (even before its first token); a cancelled ``fill`` is undone, so
+its caller may retry it.  After :meth:`NativeEngine.close`, every call (and
+every call still waiting) raises :class:`~interlace.engine_ext.errors.EngineClosed`;
+a failed step fails every stream and fill it could have touched.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from .model_runner import ModelRunner
 from .models.llama import LlamaForCausalLM
 from .sampler import sample
 from .scheduler import Batch, Scheduler
-from .sequence import Context, Generation, State
+from .sequence import Context, FillOp, Generation, State
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -130,7 +137,8 @@ class NativeEngine:
         self.ready: List[Context] = []  # generating, all computed: sample from last_logits next step
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0}
         self._cmds: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._closed = False
+        self._closed = False   # close() was called: no new commands
+        self._stopped = False  # the engine thread has finished: nothing will run a queued command
         started: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._loop, args=(runner_args, started), name="interlace-engine",
                                         daemon=True)
@@ -160,7 +168,16 @@ class NativeEngine:
     # ================================================================ public API
     async def fill(self, context_id: Hashable, token_ids: Sequence[int],
                    parent_context_id: Optional[Hashable] = None) -> int:
-        return await self._call(self._cmd_fill, context_id, list(token_ids), parent_context_id)
+        """A fill whose caller is cancelled is undone (its tokens removed, a
+        context it created dropped), so the caller can retry it safely.  The
+        one exception: another call has already built on it (extended,
+        generated into the context), in which case it stays."""
+        op = FillOp(None)
+        try:
+            return await self._call(self._cmd_fill, context_id, list(token_ids), parent_context_id, op)
+        except asyncio.CancelledError:
+            self._post(lambda: self._undo_fill(op))
+            raise
 
     async def generate(self, context_id: Hashable, sampling: Optional[SamplingParams] = None,
                        parent_context_id: Optional[Hashable] = None) -> AsyncIterator[TokenEvent]:
@@ -174,7 +191,11 @@ class NativeEngine:
             except RuntimeError:  # the consumer's loop is gone
                 pass
 
-        gen = await self._call(self._cmd_generate, context_id, sampling, parent_context_id, emit)
+        try:
+            await self._call(self._cmd_generate, context_id, sampling, parent_context_id, emit)
+        except asyncio.CancelledError:  # the command may have run: stop what it started
+            self._post(lambda: self._abort(context_id, emit))
+            raise
         finished = False
         try:
             while True:
@@ -187,8 +208,8 @@ class NativeEngine:
                     finished = True
                     return
         finally:
-            if not finished and not self._closed:  # consumer stopped early: stop decoding at once
-                self._cmds.put((lambda fut: fut.set_result(self._abort(context_id, gen)), None))
+            if not finished:  # consumer stopped early: stop decoding at once
+                self._post(lambda: self._abort(context_id, emit))
 
     async def free_context(self, context_id: Hashable) -> None:
         await self._call(self._cmd_free, context_id)
@@ -197,9 +218,8 @@ class NativeEngine:
         """Queue a free without waiting (for cleanup code that may itself be
         cancelled, e.g. when an HTTP client disconnects).  Errors are ignored:
         the context may be gone already."""
-        if not self._closed:
-            self._cmds.put((lambda fut: self._cmd_free(fut, context_id) if context_id in self.contexts
-                            else fut.set_result(None), None))
+        self._post(lambda: self._cmd_free(concurrent.futures.Future(), context_id)
+                   if context_id in self.contexts else None)
 
     async def pause(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
         await self._call(self._cmd_pause, context_id, hint)
@@ -226,6 +246,8 @@ class NativeEngine:
         return await self._call(lambda fut: fut.set_result(list(self._get(context_id).token_ids)))
 
     def close(self) -> None:
+        """Stop the engine: running generations end with ``abort``, pending
+        fills and every later call raise :class:`EngineClosed`."""
         if not self._closed:
             self._closed = True
             self._cmds.put(None)
@@ -243,7 +265,26 @@ class NativeEngine:
             raise E.EngineClosed("the engine is closed")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put((lambda f: fn(f, *args), fut))
+        if self._stopped:  # closed from another thread after our check: nobody will run it
+            self._fail_queued()
         return await asyncio.wrap_future(fut)
+
+    def _post(self, fn: Callable[[], Any]) -> None:
+        """Queue a command nobody waits for (cleanup that may run while its
+        caller is being cancelled).  Its errors are ignored."""
+        if not self._closed:
+            self._cmds.put((lambda fut: fut.set_result(fn()), None))
+
+    def _fail_queued(self) -> None:
+        """Fail the commands left in the queue once the engine thread is gone,
+        so no caller waits forever."""
+        while True:
+            try:
+                item = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if item and item[1] is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(E.EngineClosed("the engine is closed"))
 
     def _loop(self, runner_args: tuple, started: concurrent.futures.Future) -> None:
         torch.set_grad_enabled(False)
@@ -253,6 +294,12 @@ class NativeEngine:
             started.set_exception(e)
             return
         started.set_result(None)
+        try:
+            self._serve()
+        finally:
+            self._shutdown()
+
+    def _serve(self) -> None:
         while True:
             busy = self.scheduler.has_work() or bool(self.ready)
             try:
@@ -261,15 +308,16 @@ class NativeEngine:
                 item = ()
             while item != ():
                 if item is None:
-                    self._shutdown()
                     return
                 fn, fut = item
-                fut = fut or concurrent.futures.Future()
-                try:
-                    fn(fut)
-                except BaseException as e:  # validation errors go to the caller
-                    if not fut.done():
-                        fut.set_exception(e)
+                if fut is None:  # nobody waits for it
+                    fut = concurrent.futures.Future()
+                if fut.set_running_or_notify_cancel():  # False: cancelled before it ran, skip it
+                    try:
+                        fn(fut)
+                    except BaseException as e:  # validation errors go to the caller
+                        if not fut.done():
+                            fut.set_exception(e)
                 try:
                     item = self._cmds.get_nowait()
                 except queue.Empty:
@@ -278,16 +326,24 @@ class NativeEngine:
                 self._step()
             except Exception as e:  # a bug must not kill the engine silently
                 log.exception("engine step failed")
-                for ctx in list(self.scheduler.active) + list(self.ready):
-                    self._fail(ctx, e)
+                err = E.EngineError(f"engine step failed: {e!r}")
+                err.__cause__ = e
+                # every running generation and pending fill, wherever it was in the step
+                for ctx in list(self.contexts.values()):
+                    if ctx.fill_waiters or (ctx.gen is not None and not ctx.gen.paused):
+                        self._fail(ctx, err)
 
     def _shutdown(self) -> None:
+        self._stopped = True
         for ctx in list(self.contexts.values()):
             if ctx.gen is not None and not ctx.gen.done:
                 self._finish(ctx, "abort")
-            for w, _, _ in ctx.fill_waiters:
-                if not w.done():
-                    w.set_exception(E.EngineClosed("the engine was closed"))
+            for op in ctx.fill_waiters:
+                op.state = "failed"
+                if not op.fut.done():
+                    op.fut.set_exception(E.EngineClosed("the engine was closed"))
+            ctx.fill_waiters.clear()
+        self._fail_queued()
 
     def _inactive_contexts(self) -> List[Context]:
         """Contexts whose KV may be dropped before a running one's: idle ones
@@ -328,7 +384,7 @@ class NativeEngine:
         self.contexts[cid] = child
         return child
 
-    def _cmd_fill(self, fut, cid, tokens, parent_id) -> None:
+    def _cmd_fill(self, fut, cid, tokens, parent_id, op: FillOp) -> None:
         ctx = self.contexts.get(cid)
         created = parent_id is not None or ctx is None
         if created:
@@ -343,14 +399,59 @@ class NativeEngine:
                 raise E.ContextBusy(f"context {cid!r} is {ctx.state.value}; fill it when idle (or resume it)")
             self._check_tokens(tokens, allow_empty=True)
             self._check_len(len(ctx.token_ids) + len(tokens))
-        rollback = len(ctx.token_ids)
+        op.fut, op.ctx, op.created, op.rollback = fut, ctx, created, len(ctx.token_ids)
         ctx.token_ids += tokens
+        op.end = len(ctx.token_ids)
+        ctx.last_fill = op
         if ctx.num_uncomputed:
+            op.state = "pending"
             ctx.last_logits = None
-            ctx.fill_waiters.append((fut, rollback, created))
+            ctx.fill_waiters.append(op)
             self.scheduler.add(ctx)
         else:
+            op.state = "done"
             fut.set_result(len(ctx.token_ids))
+
+    def _undo_fill(self, op: FillOp) -> None:
+        """The caller of ``op`` was cancelled: take its tokens back out, unless
+        it never ran, failed, or another call has built on it since."""
+        ctx = op.ctx
+        if ctx is None or self.contexts.get(ctx.id) is not ctx:
+            return
+        if op.state == "pending":
+            i = ctx.fill_waiters.index(op)
+            self._rollback_fills(ctx, i, E.FillCancelled(
+                f"an earlier fill of context {ctx.id!r} was cancelled; this later fill was undone with it"))
+        elif (op.state == "done" and ctx.last_fill is op and ctx.gen is None and not ctx.fill_waiters
+              and len(ctx.token_ids) == op.end):
+            op.state = "undone"
+            self._truncate(ctx, op.rollback, op.created)
+
+    def _rollback_fills(self, ctx: Context, i: int, err: Exception) -> None:
+        """Fail the fills from the ``i``-th pending one on, and remove their
+        tokens (a later fill's tokens sit on top of an earlier one's)."""
+        ops, ctx.fill_waiters = ctx.fill_waiters[i:], ctx.fill_waiters[:i]
+        for op in ops:
+            op.state = "undone"
+            if not op.fut.done():
+                op.fut.set_exception(err)
+        self._truncate(ctx, ops[0].rollback, ops[0].created)
+
+    def _truncate(self, ctx: Context, n: int, created: bool) -> None:
+        """Put a context back to its first ``n`` tokens, or drop it if the
+        undone fill created it (and nobody forked it since)."""
+        if created and not ctx.children:
+            self._drop(ctx)
+            return
+        if created and n == 0:  # forks of it already read its tokens: it stays as it is
+            return
+        del ctx.token_ids[n:]
+        ctx.last_logits = None
+        ctx.last_fill = None
+        if ctx.num_computed > n:  # its KV past n may be in cached blocks: recompute
+            self.scheduler.preempt(ctx)
+        if not ctx.num_uncomputed:
+            self.scheduler.remove(ctx)
 
     def _cmd_generate(self, fut, cid, sampling: SamplingParams, parent_id, emit) -> None:
         sampling.validate()
@@ -372,12 +473,14 @@ class NativeEngine:
                                    f"(limit {self.max_model_len})")
         if ctx is None:
             ctx = self._fork(cid, parent)
+        ctx.last_fill = None  # generated tokens build on the last fill: it stays
         rng = None
         if not sampling.greedy:
             rng = torch.Generator(device="cpu")
             rng.manual_seed(sampling.seed if sampling.seed is not None
                             else int.from_bytes(os.urandom(8), "little") >> 1)
-        detok = IncrementalDetokenizer(self.tokenizer, ctx.token_ids) if self.tokenizer else None
+        detok = (IncrementalDetokenizer(self.tokenizer, ctx.token_ids, sampling.skip_special_tokens)
+                 if self.tokenizer else None)
         ctx.gen = Generation(sampling, emit, detok, rng)
         self._activate(ctx)
         fut.set_result(ctx.gen)
@@ -397,9 +500,10 @@ class NativeEngine:
             raise E.ContextHasChildren(f"context {cid!r} has live forked children {live[:5]!r}; free them first")
         if ctx.gen is not None:
             self._finish(ctx, "abort")
-        for w, _, _ in ctx.fill_waiters:
-            if not w.done():
-                w.set_exception(E.ContextNotFound(cid))
+        for op in ctx.fill_waiters:
+            op.state = "failed"
+            if not op.fut.done():
+                op.fut.set_exception(E.ContextNotFound(cid))
         ctx.fill_waiters.clear()
         self._drop(ctx)
         fut.set_result(None)
@@ -411,9 +515,10 @@ class NativeEngine:
             ctx.parent.children.discard(ctx)
         del self.contexts[ctx.id]
 
-    def _abort(self, cid, gen: Generation) -> None:
+    def _abort(self, cid, emit: Callable) -> None:
+        """Stop the generation of the stream that owns ``emit``, if it still runs."""
         ctx = self.contexts.get(cid)
-        if ctx is not None and ctx.gen is gen:
+        if ctx is not None and ctx.gen is not None and ctx.gen.emit is emit:
             self._finish(ctx, "abort", emit=False)
 
     def _cmd_pause(self, fut, cid, hint: Optional[PauseHint]) -> None:
@@ -435,9 +540,12 @@ class NativeEngine:
             self.scheduler.preempt(ctx)  # blocks released; full ones stay in the prefix cache
         elif handling is Handling.SWAP:
             log.warning("the native engine does not swap yet; preserving context %r", ctx.id)
-        ctx.gen.paused = True
+        gen = ctx.gen
+        gen.paused = True
         ev = token_event or TokenEvent(None, "")
-        ctx.gen.emit(TokenEvent(ev.token_id, ev.text, ev.logprob, None, paused=True))
+        # text held back as a possible stop string ends here: what follows is the tool's output
+        text, gen.held = ev.text + gen.held, ""
+        gen.emit(TokenEvent(ev.token_id, text, ev.logprob, None, paused=True))
 
     def _cmd_resume(self, fut, cid, tokens: List[int]) -> None:
         ctx = self._get(cid)
@@ -452,7 +560,7 @@ class NativeEngine:
         gen.paused = False
         if gen.detok is not None:
             gen.detok.reset_context(ctx.token_ids)
-        gen.tail = ""
+        gen.tail = gen.held = ""
         self._activate(ctx)
         fut.set_result(None)
 
@@ -495,9 +603,10 @@ class NativeEngine:
             else:
                 ctx.last_logits = logits[r].clone()
                 self.scheduler.remove(ctx)
-            for w, _, _ in ctx.fill_waiters:
-                if not w.done():
-                    w.set_result(len(ctx.token_ids))
+            for op in ctx.fill_waiters:
+                op.state = "done"
+                if not op.fut.done():
+                    op.fut.set_result(len(ctx.token_ids))
             ctx.fill_waiters.clear()
         if sampling_ctx:
             self._sample_and_emit(sampling_ctx, logits[sampling_rows])
@@ -568,18 +677,8 @@ class NativeEngine:
         self.scheduler.remove(ctx)
         if ctx in self.ready:
             self.ready.remove(ctx)
-        waiters, ctx.fill_waiters = ctx.fill_waiters, []
-        for w, _, _ in waiters:
-            if not w.done():
-                w.set_exception(err)
-        if waiters:
-            _, rollback, created = waiters[0]
-            if created and not ctx.children:
-                self._drop(ctx)
-            else:
-                del ctx.token_ids[rollback:]
-                if ctx.num_computed > rollback:
-                    self.scheduler.preempt(ctx)
+        if ctx.fill_waiters:
+            self._rollback_fills(ctx, 0, err)
         if ctx.gen is not None:
             gen = ctx.gen
             gen.done = True

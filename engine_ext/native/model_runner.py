@@ -18,6 +18,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.window = cfg.sliding_window
         # [layers, k/v, kv_heads, blocks, block_size, head_dim]: head-major, so a
         # gathered block table is one contiguous [tokens, head_dim] matrix per head
         self.kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim,
@@ -56,7 +57,8 @@ class ModelRunner:
             else:
                 nb = -(-end // bs)
                 prefills.append(PrefillSpan(row, ch.num, ch.start,
-                                            torch.tensor(blocks[:nb], dtype=torch.long, device=self.device)))
+                                            torch.tensor(blocks[:nb], dtype=torch.long, device=self.device),
+                                            self._prefill_mask(ch.start, end)))
             if ch.reaches_end:
                 logit_rows.append(row + ch.num - 1)
                 logit_chunks.append(ci)
@@ -73,10 +75,28 @@ class ModelRunner:
             lens_t = torch.tensor(lens, device=dev)
             meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
             meta.decode_blocks = bt
-            meta.decode_masked = (torch.arange(nb * bs, device=dev)[None, :] >= lens_t[:, None])[None, :, None, :]
+            keys = torch.arange(nb * bs, device=dev)[None, :]
+            masked = keys >= lens_t[:, None]
+            if self.window is not None and max(lens) > self.window:  # the query is at lens - 1
+                masked |= keys < (lens_t - self.window)[:, None]
+            meta.decode_masked = masked[None, :, None, :]
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta,
                             torch.tensor(logit_rows, dtype=torch.long, device=dev))
         # Sampling, seeded CPU generators and logits processors (grammar masks) work on
         # host memory: one small copy per step, whatever the device.
         return logits.float().cpu(), logit_chunks
+
+    def _prefill_mask(self, start: int, end: int):
+        """Which keys [0, end) each new position [start, end) attends to, or
+        None where plain causal attention from position 0 does it."""
+        w = self.window
+        windowed = w is not None and end > w
+        if start == 0 and not windowed:
+            return None
+        q = torch.arange(start, end, device=self.device)[:, None]
+        k = torch.arange(end, device=self.device)[None, :]
+        mask = k <= q
+        if windowed:
+            mask &= k > q - w
+        return mask

@@ -1,20 +1,24 @@
 """Iteration-level (continuous batching) scheduler.
 
-Every engine step it picks, in the ranking policy's order, a chunk of
-uncomputed tokens from each active context until the step's token budget is
-spent: a decoding context needs one token, a prefill takes what the budget
-leaves (chunked prefill), so prefills and decodes share one forward pass.
+Every engine step it first serves every running decode (one token each),
+then gives what is left of the step's token budget to prefill chunks
+(chunked prefill), each group in the ranking policy's order, so prefills and
+decodes share one forward pass and a long prefill -- a new prompt, or an old
+agent context resumed with a long tool result -- never stalls decoding.
 When the KV cache has no room, a context's KV is dropped to make some:
 first idle contexts' (least recently used first), then paused ones', then the
-lowest-ranked active context's (preemption by recompute).  A dropped context
-keeps its tokens and is recomputed when next used; its full blocks stay in
-the prefix cache until evicted, so that is often cheap.
+lowest-ranked active context's (preemption by recompute), skipping any whose
+blocks are all shared with contexts that keep theirs (dropping it would free
+nothing).  A dropped context keeps its tokens and is recomputed when next
+used; its full blocks stay in the prefix cache until evicted, so that is
+often cheap.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 from ..errors import KVCacheExhausted
 from ..policies.ranking import FCFS, RankingPolicy
@@ -76,7 +80,14 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.max_batched_tokens
-        order = self.ranking.order(c for c in self.active if c.num_uncomputed > 0)
+        decodes, prefills = [], []
+        for c in self.active:
+            n = c.num_uncomputed
+            if n == 1 and c.num_computed:
+                decodes.append(c)
+            elif n:
+                prefills.append(c)
+        order = self.ranking.order(decodes) + self.ranking.order(prefills)
         scheduled: set = set()
         for ctx in order:
             if budget == 0 or len(batch.chunks) >= self.max_seqs:
@@ -92,10 +103,7 @@ class Scheduler:
                     batch.copies += self.blocks.prepare_append(ctx.table, start, start + n)
                     break
                 except OutOfBlocks:
-                    victim = next((v for v in self.inactive() if v.table.blocks and v is not ctx), None)
-                    if victim is None:
-                        victim = next((v for v in reversed(order) if v is not ctx and v not in scheduled
-                                       and v.table.blocks), None)
+                    victim = self._victim(ctx, order, scheduled)
                     if victim is None:
                         break
                     self.preempt(victim)
@@ -111,3 +119,25 @@ class Scheduler:
             scheduled.add(ctx)
             budget -= n
         return batch
+
+    def _victim(self, ctx: Context, order: List[Context], scheduled: Set[Context]) -> Optional[Context]:
+        """The first context, in drop order, whose KV it helps to drop.
+
+        A block is freed only when its last holder lets go, so dropping a
+        context whose blocks are all shared (a fork's parent, a fork that
+        added nothing) frees nothing by itself: it is passed over unless all
+        the holders of one of its blocks are droppable too (then dropping
+        them one after the other does free it).
+        """
+        candidates = [v for v in self.inactive() if v.table.blocks and v is not ctx]
+        candidates += [v for v in reversed(order) if v is not ctx and v not in scheduled and v.table.blocks]
+        candidates = list(dict.fromkeys(candidates))
+        blocks = self.blocks.blocks
+        for v in candidates:
+            if any(blocks[b].ref_count == 1 for b in v.table.blocks):
+                return v
+        holders = Counter(b for v in candidates for b in v.table.blocks)
+        for v in candidates:
+            if any(holders[b] == blocks[b].ref_count for b in v.table.blocks):
+                return v
+        return None

@@ -33,6 +33,19 @@ class Generation:
 
 
 @dataclass(eq=False)
+class FillOp:
+    """One ``fill`` call, kept so that a caller who cancels it can have it
+    undone: the tokens it appended start at ``rollback`` and end at ``end``."""
+
+    fut: Any                              # concurrent.futures.Future of the caller
+    rollback: int = 0                     # context length before the fill
+    end: int = 0                          # context length after it
+    created: bool = False                 # the fill created the context (new or forked)
+    state: str = "new"                    # new -> pending -> done | failed | undone
+    ctx: Optional["Context"] = None
+
+
+@dataclass(eq=False)
 class Context:
     id: Hashable
     token_ids: List[int]
@@ -42,7 +55,8 @@ class Context:
     children: Set["Context"] = field(default_factory=set)
     last_logits: Any = None               # logits after the last token, when all are computed
     gen: Optional[Generation] = None
-    fill_waiters: List[Any] = field(default_factory=list)  # futures resolved when all tokens are computed
+    fill_waiters: List[FillOp] = field(default_factory=list)  # fills resolved when all tokens are computed
+    last_fill: Optional[FillOp] = None    # the fill that last changed the tokens, while nothing else has
     arrival: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
 

@@ -9,9 +9,10 @@ time.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -26,6 +27,84 @@ def _token_str(v: Any) -> Optional[str]:
     if isinstance(v, dict):  # older tokenizer_config: {"content": "...", ...}
         return v.get("content")
     return v
+
+
+# -------------------------------------------------- untrusted text in rendered prompts
+# A placeholder stands for one untrusted string while a template renders:
+# supplementary private-use characters, which no template transforms.
+_PH_OPEN, _PH_CLOSE = "\U000F0000", "\U000F0001"
+_PH_DIGIT0 = 0xF0010
+_PH_RE = re.compile("\U000F0000([\U000F0010-\U000F0019]+)\U000F0001")
+
+
+class UntrustedText:
+    """Hands out placeholders for untrusted strings (message contents, tool
+    arguments, tool results) so a prompt can be rendered twice, once with the
+    placeholders and once with the real text, and the real text then located
+    and tokenized as plain text.  Call it on each untrusted string."""
+
+    def __init__(self) -> None:
+        self.values: List[str] = []
+
+    def __call__(self, text: str) -> str:
+        if not text:
+            return text  # nothing to protect, and templates test emptiness (``if message.content``)
+        self.values.append(text)
+        digits = "".join(chr(_PH_DIGIT0 + int(d)) for d in str(len(self.values) - 1))
+        return f"{_PH_OPEN}{digits}{_PH_CLOSE}"
+
+    def index(self, digits: str) -> int:
+        return int("".join(str(ord(c) - _PH_DIGIT0) for c in digits))
+
+
+def _as_rendered(value: str) -> List[str]:
+    """The forms a template may write a string in: as is, JSON-escaped (``tojson``), trimmed."""
+    forms = [value]
+    for ensure_ascii in (False, True):
+        esc = json.dumps(value, ensure_ascii=ensure_ascii)[1:-1]
+        if esc not in forms:
+            forms.append(esc)
+    for f in (value.strip(), value.lstrip(), value.rstrip()):
+        if f not in forms:
+            forms.append(f)
+    return forms
+
+
+def split_untrusted(marked: str, real: str, marks: UntrustedText) -> List[Tuple[str, bool]]:
+    """``real`` (the prompt rendered with the untrusted strings) as pieces
+    ``(text, trusted)``, using ``marked`` (the same prompt rendered with
+    ``marks``' placeholders) to tell the template's own text from the
+    untrusted strings.
+
+    Each placeholder's real text is found by trying the forms a template
+    writes a string in (as is, JSON-escaped, trimmed) where the next
+    template piece must follow; if that fails (a template that transforms the
+    text otherwise), the untrusted string is used as is, so the prompt may
+    then differ from the template's but is never less safe.
+    """
+    parts = _PH_RE.split(marked)  # text, digits, text, digits, ..., text
+    pieces: List[Tuple[str, bool]] = [(parts[0], True)]
+    pos = len(parts[0]) if real.startswith(parts[0]) else -1
+    for k in range(1, len(parts), 2):
+        i = marks.index(parts[k])
+        after = parts[k + 1]
+        if i >= len(marks.values):  # placeholder-like text that is not ours: plain text
+            pieces.append((_PH_OPEN + parts[k] + _PH_CLOSE, False))
+            pieces.append((after, True))
+            continue
+        value = marks.values[i]
+        chosen = value
+        if pos >= 0:
+            for form in _as_rendered(value):
+                if real.startswith(form, pos) and real.startswith(after, pos + len(form)):
+                    chosen = form
+                    pos += len(form) + len(after)
+                    break
+            else:
+                pos = -1
+        pieces.append((chosen, False))
+        pieces.append((after, True))
+    return [p for p in pieces if p[0]]
 
 
 class Tokenizer:
@@ -49,14 +128,73 @@ class Tokenizer:
             eos.add(self.tok.token_to_id(self.eos_token))
         self.eos_token_ids = frozenset(eos)
         self._template: Optional[jinja2.Template] = None
+        # Special tokens (control markers) by text, longest first, and a twin
+        # tokenizer that reads them as plain text, for untrusted strings.
+        self.special_tokens: Dict[str, int] = {
+            t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        self._special_re = (re.compile("|".join(re.escape(t) for t in sorted(self.special_tokens, key=len,
+                                                                             reverse=True)))
+                            if self.special_tokens else None)
+        self._plain: Optional[HFTokenizer] = None
 
     @staticmethod
     def _json(p: Path) -> dict:
         return json.loads(p.read_text()) if p.exists() else {}
 
     # ------------------------------------------------------------ encode/decode
-    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> List[int]:
+        """Token ids of ``text``.  With ``parse_special=False`` special-token
+        text (``<|im_end|>``) is tokenized as ordinary text, never as the
+        control token: the way to encode anything a client wrote."""
+        if parse_special:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_pieces(self, pieces: Sequence[Tuple[str, bool]]) -> List[int]:
+        """Encode ``(text, trusted)`` pieces: special tokens are recognised in
+        trusted text only; everything between them (trusted text and
+        untrusted text alike) is encoded as one run of plain text, so a
+        benign prompt gets exactly the ids that encoding it whole would give."""
+        ids: List[int] = []
+        run: List[str] = []
+
+        def flush() -> None:
+            if run:
+                ids.extend(self.encode("".join(run), parse_special=False))
+                run.clear()
+
+        for text, trusted in pieces:
+            if not trusted or self._special_re is None:
+                run.append(text)
+                continue
+            last = 0
+            for m in self._special_re.finditer(text):
+                run.append(text[last:m.start()])
+                flush()
+                ids.append(self.special_tokens[m.group()])
+                last = m.end()
+            run.append(text[last:])
+        flush()
+        return ids
+
+    def encode_rendered(self, render: Callable[[Callable[[str], str]], str]) -> List[int]:
+        """Token ids of a prompt with untrusted strings encoded as plain text.
+
+        ``render(mark)`` builds the prompt text, passing every untrusted string
+        through ``mark`` (message contents, tool arguments, tool results).  It
+        is called twice: with placeholders, to find the template's own text,
+        and with the identity, for the real text (see :func:`split_untrusted`).
+        User text containing ``<|im_end|><|im_start|>system`` thus stays text
+        instead of becoming the control tokens that open a system turn.
+        """
+        marks = UntrustedText()
+        marked = render(marks)
+        real = render(lambda text: text)
+        return self.encode_pieces(split_untrusted(marked, real, marks))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -82,7 +220,15 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
     def encode_chat(self, messages: List[Dict[str, Any]], **kwargs: Any) -> List[int]:
-        return self.encode(self.apply_chat_template(messages, **kwargs))
+        """The chat template applied to ``messages``, with their string contents
+        tokenized as plain text (only the template's markers are special)."""
+
+        def render(mark: Callable[[str], str]) -> str:
+            msgs = [{**m, "content": mark(m["content"])} if isinstance(m.get("content"), str) else m
+                    for m in messages]
+            return self.apply_chat_template(msgs, **kwargs)
+
+        return self.encode_rendered(render)
 
 
 def _raise(msg: str):
@@ -97,23 +243,26 @@ class IncrementalDetokenizer:
     tokenizers, spacing), so each step decodes a short window ending at the new
     token and emits only what the window adds beyond its already-emitted part,
     holding back while the text ends in U+FFFD (an incomplete byte sequence).
+    ``skip_special_tokens=False`` keeps special tokens' text (for parsers
+    that look for markers such as ``[TOOL_CALLS]``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: List[int] = list(context_ids[-6:])  # a little left context for leading-space rules
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def reset_context(self, context_ids: Sequence[int]) -> None:
         """Restart after tokens were appended from outside (a resumed tool result)."""
-        self.__init__(self.tokenizer, context_ids)
+        self.__init__(self.tokenizer, context_ids, self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        dec = self.tokenizer.decode
-        prefix = dec(self.ids[self.prefix_offset:self.read_offset])
-        full = dec(self.ids[self.prefix_offset:])
+        dec, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = dec(self.ids[self.prefix_offset:], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -122,8 +271,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text still held back at the end of a stream (a dangling partial char)."""
-        dec = self.tokenizer.decode
-        prefix = dec(self.ids[self.prefix_offset:self.read_offset])
-        full = dec(self.ids[self.prefix_offset:])
+        dec, skip = self.tokenizer.decode, self.skip_special_tokens
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        full = dec(self.ids[self.prefix_offset:], skip_special_tokens=skip)
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):] if len(full) > len(prefix) else ""

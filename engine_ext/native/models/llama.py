@@ -1,8 +1,8 @@
 """A Llama-family decoder reading and writing a paged KV cache.
 
-Covers Llama (1-3.x), Mistral, Qwen2 / Qwen2.5 (q/k/v biases), Qwen3 (per-head
-q/k RMSNorm) and SmolLM2: they differ only in the switches held by
-:class:`ModelConfig`.  Q/K/V and gate/up projections are fused into one matmul
+Covers Llama (1-3.x), Mistral (sliding-window attention), Qwen2 / Qwen2.5
+(q/k/v biases), Qwen3 (per-head q/k RMSNorm) and SmolLM2: they differ only in
+the switches held by :class:`ModelConfig`.  Q/K/V and gate/up projections are fused into one matmul
 each, which matters on a CPU where every op has a fixed cost.
 
 The forward pass takes a flat batch: the new tokens of all scheduled contexts
@@ -46,6 +46,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     rope_scaling: Optional[dict] = None
+    sliding_window: Optional[int] = None  # each position attends to itself and the window - 1 before it
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -74,7 +75,24 @@ class ModelConfig:
             attention_bias=cfg.get("attention_bias", mt == "qwen2"),
             qk_norm=(mt == "qwen3"),
             rope_scaling=scaling,
+            sliding_window=_sliding_window(mt, cfg),
         )
+
+
+def _sliding_window(model_type: str, cfg: dict) -> Optional[int]:
+    """Mistral's window (the same in every layer, as transformers applies
+    it), or None.  Models whose layers mix windowed and full attention
+    (Qwen2/3 with ``use_sliding_window``, ``layer_types``) are refused rather
+    than run with the wrong attention."""
+    if model_type == "mistral":
+        window = cfg.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise UnsupportedModel(f"sliding_window must be a positive integer, got {window!r}")
+        return window
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
+        raise UnsupportedModel(f"{model_type} with sliding-window attention layers is not supported "
+                               "by the native engine")
+    return None
 
 
 @dataclass
@@ -84,14 +102,16 @@ class AttentionMetadata:
     ``slot_mapping[t]`` is the cache slot (block * block_size + offset) the
     t-th new token's K/V is written to.  Prefill chunks (``prefills``) are
     attended one by one; single-token decodes are gathered into one padded
-    batch (``decode_rows`` / ``decode_blocks`` / ``decode_masked``).
+    batch (``decode_rows`` / ``decode_blocks`` / ``decode_masked``).  Masks
+    (causal offset, sliding window, padding) are built once per step by the
+    model runner, not once per layer.
     """
 
     slot_mapping: torch.Tensor                    # [T] long
     prefills: List["PrefillSpan"]
     decode_rows: Optional[torch.Tensor] = None    # [B] long: rows of the flat batch
     decode_blocks: Optional[torch.Tensor] = None  # [B, nb] long: block tables, padded
-    decode_masked: Optional[torch.Tensor] = None  # [1, B, 1, nb * block_size] bool: key is beyond the context
+    decode_masked: Optional[torch.Tensor] = None  # [1, B, 1, nb * block_size] bool: key not attended
 
 
 @dataclass
@@ -100,6 +120,7 @@ class PrefillSpan:
     num_new: int          # rows of this context in the batch
     start_pos: int        # position of the first new token
     blocks: torch.Tensor  # [nb] long: the context's blocks covering all its keys
+    mask: Optional[torch.Tensor] = None  # [num_new, L] bool, True = attend; None = plain causal from 0
 
 
 class RMSNorm(nn.Module):
@@ -170,12 +191,10 @@ class Attention(nn.Module):
             qs = q[p.row_start:p.row_start + p.num_new].transpose(0, 1)                          # [H, n, D]
             ks = k_blocks.index_select(1, p.blocks).view(self.hkv, -1, self.d)[:, :L].to(q.dtype)  # [Hkv, L, D]
             vs = v_blocks.index_select(1, p.blocks).view(self.hkv, -1, self.d)[:, :L].to(q.dtype)
-            if p.start_pos == 0:
+            if p.mask is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                qpos = torch.arange(p.start_pos, p.start_pos + p.num_new, device=x.device)
-                mask = torch.arange(L, device=x.device)[None, :] <= qpos[:, None]  # causal, offset
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
             out[p.row_start:p.row_start + p.num_new] = o.transpose(0, 1)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode_attention(q[meta.decode_rows], k_blocks, v_blocks, meta)

@@ -1,8 +1,9 @@
 """An example Interlace plugin: a ``word_count`` tool.
 
-Everything a tool plugin needs is here: a :class:`~interlace.gateway.tools.Tool`
-subclass and a ``register_tools`` hook, found by Interlace through the
-``interlace`` entry point in ``pyproject.toml``.
+Everything a tool plugin needs is here: a :class:`interlace.Tool` subclass
+and a ``register_tools`` hook, found by Interlace through the ``interlace``
+entry point in ``pyproject.toml``.  It imports only the public ``interlace``
+package (never ``interlace.gateway.*``), which does not pull in torch.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from interlace.gateway.hookspecs import hookimpl
-from interlace.gateway.tools import Granularity, Tool
+from interlace import Granularity, Tool, hookimpl
 
 __version__ = "0.1.0"
 
@@ -24,8 +24,10 @@ class WordCountTool(Tool):
     """Counts words, optionally listing the most frequent ones.
 
     ``ON_FIELD``: the counting starts as soon as ``text`` is complete, while
-    the model may still be writing ``top``.  Settings: ``lowercase`` (default
-    true) folds case before counting.
+    the model may still be writing ``top``.  Settings (``settings_schema``):
+    ``lowercase`` (default true) folds case before counting; ``min_length``
+    (default 1) ignores shorter words.  Both take effect in the worker, so the
+    result shows whether the configured instance is the one that ran.
     """
 
     name = "word_count"
@@ -41,12 +43,25 @@ class WordCountTool(Tool):
     }
     granularity = Granularity.ON_FIELD
     timeout_s = 5.0
+    settings_schema = {
+        "type": "object",
+        "properties": {
+            "lowercase": {"type": "boolean", "description": "Fold case before counting."},
+            "min_length": {"type": "integer", "minimum": 1, "description": "Ignore words shorter than this."},
+        },
+    }
 
     def __init__(self) -> None:
         self.lowercase = True
+        self.min_length = 1
 
     def configure(self, settings: Mapping[str, Any]) -> None:
-        self.lowercase = bool(settings.get("lowercase", True))
+        # Already validated against settings_schema by the host: no type checks needed here.
+        self.lowercase = settings.get("lowercase", True)
+        self.min_length = settings.get("min_length", 1)
+
+    def info(self) -> dict[str, Any]:
+        return {"lowercase": self.lowercase, "min_length": self.min_length}
 
     def on_start(self) -> None:
         self._counts: Counter[str] | None = None
@@ -65,7 +80,7 @@ class WordCountTool(Tool):
 
     def count(self, text: str) -> Counter[str]:
         words = _WORD.findall(text.lower() if self.lowercase else text)
-        return Counter(words)
+        return Counter(w for w in words if len(w) >= self.min_length)
 
 
 @hookimpl

@@ -1,0 +1,167 @@
+"""From a validated chat-completions request to a :class:`CompletionPlan`:
+the prompt tokens, sampling parameters, the constraints that enforce
+``tool_choice`` / ``response_format``, and the server-side tools a request may
+use.  The HTTP layer (``app.py``) has already authenticated the caller and
+checked its permissions; ``caller`` names it for the tool policy hooks.
+
+Decisions worth knowing:
+
+* ``tool_choice: "none"`` keeps the tools in the prompt (as OpenAI does: the
+  model knows them, it just may not call them) and parses no calls, so call
+  text the model writes anyway is plain content.
+* Forced calls (``tool_choice: "required"`` or a named function) use the
+  grammar of the model's own tool-call format (``model.tool_format.grammar``),
+  so the forced text is what its parser reads.  ``"required"`` allows several
+  calls unless ``parallel_tool_calls`` is false (OpenAI's default is true); a
+  named function means exactly one call.
+* ``interlace.replay`` keeps the request's constraints: the replayed text
+  must satisfy ``tool_choice`` / ``response_format`` (the first round's text
+  when server-side tools run, since constraints apply to the first round
+  only), else the request is refused with 400.
+* Without ``max_tokens`` a completion may take ``server.default_max_tokens``
+  tokens (or the context left, if less), not the whole context.
+* When tools are parsed and the format needs special tokens in the text
+  (Mistral ``[TOOL_CALLS]``, Llama ``<|python_tag|>``), they are decoded
+  (``skip_special_tokens=False``) so the parser sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..engine_ext.errors import InvalidSampling
+from ..engine_ext.forced import ForcedOutput
+from ..engine_ext.protocol import SamplingParams
+from . import openai_api as api
+from .chat import render_messages
+from .completions import CompletionPlan, FirstRoundOnly
+
+
+def build_plan(gw: Any, model: Any, body: Dict[str, Any], caller: Optional[str] = None) -> CompletionPlan:
+    ext = body.get("interlace") or {}
+    tools: List[Dict[str, Any]] = list(body.get("tools") or [])
+    server = server_tools(gw, ext.get("server_tools"), tools)
+    choice = body.get("tool_choice") or ("auto" if tools else "none")
+    fmt = model.tool_format
+    try:  # the tools stay visible with tool_choice "none" (OpenAI's behaviour)
+        prompt = render_messages(model.tokenizer, body["messages"], tools, fmt)
+    except ValueError as e:
+        raise api.APIError(400, f"messages could not be rendered for this model: {e}", param="messages",
+                           code="invalid_value")
+    room = model.max_model_len - len(prompt)
+    if room < 1:
+        raise api.APIError(400, f"this model's maximum context length is {model.max_model_len} tokens; the "
+                                f"messages take {len(prompt)} tokens", param="messages",
+                           code="context_length_exceeded")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None and max_tokens > room:
+        raise api.APIError(400, f"this model's maximum context length is {model.max_model_len} tokens; the "
+                                f"messages take {len(prompt)} and max_tokens asks for {max_tokens} more",
+                           param="max_tokens", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(room, gw.config.default_max_tokens)
+    parse_tools = choice != "none" and bool(tools)
+    processors = constraint(model, body, tools, choice)
+    if ext.get("replay") is not None:
+        pieces = [ext["replay"]] if isinstance(ext["replay"], str) else list(ext["replay"])
+        piece_ids = [model.tokenizer.encode(p) for p in pieces]
+        if processors:
+            # the constraint covers the first round when tools run here, else the whole output
+            constrained = piece_ids[0] if server else [t for p in piece_ids for t in p]
+            check_replay(model, constraint(model, body, tools, choice), constrained)
+        eos = min(model.tokenizer.eos_token_ids) if model.tokenizer.eos_token_ids else None
+        processors = (ForcedOutput(piece_ids, eos),)
+    elif server and processors:  # tool_choice / format constrain the first round, not the final answer
+        processors = tuple(FirstRoundOnly(p) for p in processors)
+    stop = body.get("stop")
+    try:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.get("temperature") is None else float(body["temperature"]),
+            top_p=1.0 if body.get("top_p") is None else float(body["top_p"]),
+            top_k=body.get("top_k") or 0, seed=body.get("seed"),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            logprobs=bool(body.get("logprobs")), logits_processors=processors,
+            # the parser must see the format's special tokens ([TOOL_CALLS], <|python_tag|>) in the text
+            skip_special_tokens=not (parse_tools and fmt.special_tokens))
+    except InvalidSampling as e:
+        raise api.APIError(400, str(e), code="invalid_value")
+    offered = {f["name"]: f.get("parameters") for f in (t.get("function", t) for t in tools
+                                                         if t.get("type", "function") == "function")}
+    return CompletionPlan(prompt_ids=prompt, sampling=sampling, parse_tools=parse_tools,
+                          server_tools=server, partial_execution=ext.get("partial_execution", True),
+                          max_tool_rounds=ext.get("max_tool_rounds", gw.config.max_tool_rounds),
+                          parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+                          request_info={"model": model.name, "user": body.get("user"), "key": caller},
+                          offered_tools=offered)
+
+
+def server_tools(gw: Any, wanted: Any, tools: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The server-side tools a request asks for (``interlace.server_tools``:
+    true for every enabled one, or a list of names); each is added to
+    ``tools`` (in place) unless the request describes it already."""
+    server: Dict[str, Any] = {}
+    if not wanted:
+        return server
+    available = gw.runtime.tools if gw.runtime else {}
+    names = [n for n, t in available.items() if t.enabled] if wanted is True else wanted
+    for n in names:
+        tool = available.get(n)
+        if tool is None or not tool.enabled:
+            raise api.APIError(400, f"unknown server tool {n!r} (enabled: "
+                                    f"{', '.join(k for k, t in available.items() if t.enabled)})",
+                               param="interlace.server_tools", code="unknown_tool")
+        server[n] = tool
+        if not any(t["function"]["name"] == n for t in tools):
+            tools.append({"type": "function", "function": {"name": n, "description": tool.description,
+                                                           "parameters": tool.parameters}})
+    return server
+
+
+def constraint(model: Any, body: Dict[str, Any], tools: List[Dict[str, Any]], choice: Any) -> tuple:
+    """Logits processors enforcing tool_choice / response_format (constrained decoding)."""
+    rf = body.get("response_format") or {}
+    forced = choice["function"]["name"] if isinstance(choice, dict) else None
+    forcing = forced is not None or choice == "required"
+    if not forcing and rf.get("type") not in ("json_object", "json_schema"):
+        return ()
+    from .constrained import GrammarError
+
+    g = model.grammar()
+    try:
+        if forcing:
+            # a named function means one call to it; "required" allows several unless parallel_tool_calls is false
+            grammar = model.tool_format.grammar(g, tools, forced,
+                                                parallel=forced is None and body.get("parallel_tool_calls") is not False)
+        elif rf["type"] == "json_schema":
+            grammar = g.json_schema(rf["json_schema"]["schema"])
+        else:
+            grammar = g.json_object()
+    except GrammarError as e:
+        param = "tools" if str(e).startswith("tools") else "tool_choice" if forcing else "response_format"
+        raise api.APIError(400, str(e), param=param, code="invalid_value")
+    return (g.processor(grammar),)
+
+
+def check_replay(model: Any, processors: Sequence[Any], ids: List[int]) -> None:
+    """Refuse (400) a replay the request's constraints would not allow: every
+    token must pass every processor, and the text must be complete (an EOS
+    allowed after it).  Uses the processors as the engine would, on zero
+    logits."""
+    import torch
+
+    logits = torch.zeros(model.engine.vocab_size)
+    eos = [e for e in model.tokenizer.eos_token_ids if e < logits.shape[0]]
+    for i in range(len(ids) + 1):
+        masked = logits
+        for proc in processors:
+            masked = proc(ids[:i], masked)
+        if i < len(ids) and masked[ids[i]] == float("-inf"):
+            done = model.tokenizer.decode(ids[:i])
+            raise api.APIError(400, f"interlace.replay does not satisfy the request's tool_choice / "
+                                    f"response_format: the constraint rejects it after {done[-60:]!r}",
+                               param="interlace.replay", code="invalid_value")
+        if i == len(ids) and not any(masked[e] != float("-inf") for e in eos):
+            raise api.APIError(400, "interlace.replay does not satisfy the request's tool_choice / "
+                                    "response_format: the text ends before the constrained output is complete",
+                               param="interlace.replay", code="invalid_value")

@@ -1,0 +1,39 @@
+"""Interlace's public, stable API for plugin authors and embedders.
+
+Plugins import from here, never from ``interlace.gateway.*`` (those modules
+may change between releases)::
+
+    from interlace import hookimpl, Tool, ToolError, Granularity, Veto
+
+Everything a plugin needs is here: the hook marker, the tool base class and
+its errors, the policy hook's :class:`Veto`, the streaming parser base class
+and the events a parser emits, and :class:`PluginHost` to load and run a
+plugin in its own tests exactly as the gateway does.  docs/plugins.md is the
+reference for each name and hook.
+
+Importing this package does not import torch (nor the engine): a plugin
+package's own tests need only ``interlace`` and its light dependencies.
+"""
+
+from .gateway.hookspecs import Veto, hookimpl
+from .gateway.tools import (COMMON_SETTINGS, Granularity, InvalidToolArguments, Tool, ToolCancelled,
+                            ToolConfigError, ToolCrashed, ToolError, ToolTimeout, ToolVetoed, UnknownTool)
+from .gateway.plugin_host import DuplicateRegistration, PluginHookError, PluginHost, PluginLoadError
+from .parsers.base import StreamingParser
+from .parsers.formats import FormatError, ToolFormat
+from .parsers.events import (ArgumentsDelta, Event, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd,
+                             ToolCallStart)
+
+__all__ = [
+    # hooks
+    "hookimpl", "Veto",
+    # tools
+    "Tool", "Granularity", "COMMON_SETTINGS",
+    "ToolError", "InvalidToolArguments", "ToolCancelled", "ToolConfigError", "ToolCrashed", "ToolTimeout",
+    "ToolVetoed", "UnknownTool",
+    # parsers
+    "StreamingParser", "ToolFormat", "FormatError", "Event", "Text", "ToolCallStart", "ArgumentsDelta", "FieldComplete", "LineComplete",
+    "ToolCallEnd", "ParserError",
+    # loading and testing plugins
+    "PluginHost", "PluginLoadError", "DuplicateRegistration", "PluginHookError",
+]
