@@ -43,7 +43,6 @@ import importlib
 import io
 import json
 import os
-import resource
 import shutil
 import socket
 import subprocess
@@ -55,6 +54,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
 from interlace import Granularity, Tool, ToolConfigError
+from interlace.gateway.tool_worker import set_hard_limit  # the one rlimit helper every worker uses
 
 __all__ = ["PythonTool", "probe_isolation", "isolate_network", "NETWORK_ISOLATION_LABELS"]
 
@@ -134,19 +134,6 @@ def probe_isolation(settings: Mapping[str, Any] | None = None) -> dict[str, Any]
         return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
         raise RuntimeError(f"python tool: the isolation probe failed:\n{proc.stderr.strip()}") from None
-
-
-def _set_hard_limit(name: str, value: int) -> int | None:
-    """``soft == hard == value`` (never above an existing hard limit), so the code cannot raise it."""
-    res = getattr(resource, name)
-    hard = resource.getrlimit(res)[1]
-    if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    try:
-        resource.setrlimit(res, (value, value))
-    except (ValueError, OSError):
-        return None
-    return value
 
 
 def _tasks_of_real_uid() -> int:
@@ -353,13 +340,13 @@ class PythonTool(Tool):
             except Exception:  # noqa: BLE001 - optional imports: missing or broken is fine
                 pass
         limits: dict[str, Any] = {
-            "file_size_bytes": _set_hard_limit("RLIMIT_FSIZE", self.file_size_mb << 20),
-            "open_files": _set_hard_limit("RLIMIT_NOFILE", self.max_open_files),
+            "file_size_bytes": set_hard_limit("RLIMIT_FSIZE", self.file_size_mb << 20),
+            "open_files": set_hard_limit("RLIMIT_NOFILE", self.max_open_files),
         }
         if os.geteuid() == 0:
             limits["processes"] = "not enforced (root)"
         else:
-            limits["processes"] = _set_hard_limit("RLIMIT_NPROC", _tasks_of_real_uid() + self.max_processes)
+            limits["processes"] = set_hard_limit("RLIMIT_NPROC", _tasks_of_real_uid() + self.max_processes)
         return {
             "isolation": {
                 "network_namespace": netns,
