@@ -113,8 +113,3 @@ def describe_machine(m: Dict[str, Any]) -> str:
     extras = ", ".join(f"{k} {v}" for k, v in m.items() if k not in ("cpu", "usable_cpus", "python", "date"))
     return (f"{describe_cpu(m['cpu'])}; {m['usable_cpus']} usable by this process; Python {m['python']}"
             + (f"; {extras}" if extras else "") + f"; {m['date']}")
-
-
-def cpu_model() -> str:
-    """The CPU's model name alone (kept for callers that only label; tables use :func:`describe_machine`)."""
-    return cpu_description()["model_name"]

@@ -133,7 +133,7 @@ def summarize_pairs(pairs: Sequence[Pair]) -> Dict[str, Any]:
         "pairs": len(pairs),
         "below_bound": sum(p.below_bound for p in pairs),
         "hideable": sum(p.hideable for p in pairs),
-        "efficiency": eff.to_dict() if eff else None,
+        "efficiency": _d(eff),
         "max_saving_s": _d(spread([p.max_saving_s for p in pairs])),
         "saved_s": _d(spread([p.saved_s for p in pairs])),
         "improvement": _d(spread([p.improvement for p in pairs])),

@@ -29,7 +29,7 @@ from ..engine_ext.errors import ContextTooLong, EngineError
 from . import http_guard as guard_
 from . import openai_api as api
 from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
-from .config import ConfigError, GatewayConfig, ModelSpec
+from .config import GatewayConfig, ModelSpec
 from .http_guard import ClientGone
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .plan import build_plan
@@ -56,14 +56,8 @@ class ModelServer:
 
     @property
     def tool_format(self) -> Any:
-        """The parser class owns its tool-call format (``format``); the fallback to the
-        old per-name table only serves parsers that predate that attribute."""
-        fmt = getattr(self.parser_factory, "format", None)
-        if fmt is not None:
-            return fmt
-        from .chat import tool_format  # noqa: PLC0415  (legacy table)
-
-        return tool_format(self.spec.parser)
+        """The tool-call format its parser owns (``format``, checked when the parser was registered)."""
+        return self.parser_factory.format
 
     @property
     def max_model_len(self) -> int:
@@ -105,10 +99,7 @@ class Gateway:
         self.parsers = ParserRegistry()
         for name, factory in self.host.parsers().items():
             self.parsers.register(name, factory)
-        for spec in cfg.models.values():
-            if spec.parser not in self.parsers:
-                raise ConfigError(f"{cfg.source}: models.{spec.name}.parser: unknown parser {spec.parser!r} "
-                                  f"(installed: {', '.join(self.parsers.names())})")
+        cfg.check_parsers(self.parsers.names())
         try:
             engines: Dict[str, Any] = {}  # models that differ only in name/parser share one engine
             for spec in cfg.models.values():

@@ -72,11 +72,9 @@ def template_supports_tools(chat_template: Optional[str]) -> bool:
 # ------------------------------------------------------------------ untrusted strings
 def _check_plain(tokenizer: Any, text: Any, what: str) -> None:
     """Refuse special-token text in a string rendered without a placeholder (names, ids, schema keys)."""
-    if not isinstance(text, str):
-        return
-    for tok in getattr(tokenizer, "special_tokens", {}) or {}:
-        if tok in text:
-            raise ValueError(f"{what} contains the special token {tok!r}")
+    tok = tokenizer.find_special(text) if isinstance(text, str) else None
+    if tok is not None:
+        raise ValueError(f"{what} contains the special token {tok!r}")
 
 
 def _mark_leaves(tokenizer: Any, value: Any, mark: Mark, what: str, skip_keys: Sequence[str] = ()) -> Any:
@@ -113,6 +111,18 @@ def _arguments(call: Dict[str, Any]) -> Tuple[str, Any]:
 
 
 # ------------------------------------------------------------------------ rendering
+# ``render_calls`` / ``render_results`` are optional in a plugin's format (check_format
+# does not require them); without them the single renderings are joined with newlines.
+def _render_calls(fmt: ToolFormat, calls: Sequence[Tuple[str, Any]]) -> str:
+    render = getattr(fmt, "render_calls", None)
+    return render(calls) if render else "\n".join(fmt.render_call(n, a) for n, a in calls)
+
+
+def _render_results(fmt: ToolFormat, contents: Sequence[str]) -> str:
+    render = getattr(fmt, "render_results", None)
+    return render(contents) if render else "\n".join(fmt.render_result(c) for c in contents)
+
+
 def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict[str, Any]], fmt: ToolFormat,
                 mark: Mark = lambda s: s) -> str:
     """The prompt text (chat template applied, generation prompt added), every
@@ -155,9 +165,7 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
 
     def flush_results() -> None:
         if results:
-            render = getattr(fmt, "render_results", None)
-            text = render(results) if render else "\n".join(fmt.render_result(r) for r in results)
-            out.append({"role": "user", "content": text})
+            out.append({"role": "user", "content": _render_results(fmt, results)})
             results.clear()
 
     for m in rest:
@@ -176,9 +184,7 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
                 _check_plain(tokenizer, name, "tool call name")
                 calls.append((name, _mark_leaves(tokenizer, args, mark, "tool call arguments")))
             if calls:
-                render_calls = getattr(fmt, "render_calls", None)
-                parts.append(render_calls(calls) if render_calls else
-                             "\n".join(fmt.render_call(n, a) for n, a in calls))
+                parts.append(_render_calls(fmt, calls))
             out.append({"role": "assistant", "content": "\n".join(parts)})
         else:
             out.append({"role": "user", "content": mark(_content_text(m.get("content")))})
@@ -194,9 +200,7 @@ def render_messages(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[
 
 def _results_turn_text(tokenizer: Any, fmt: ToolFormat, results: Sequence[str], mark: Mark) -> str:
     marker = "\x00CALL\x00"
-    contents = [mark(r) for r in results]
-    render = getattr(fmt, "render_results", None)
-    block = render(contents) if render else "\n".join(fmt.render_result(r) for r in contents)
+    block = _render_results(fmt, [mark(r) for r in results])
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
     with_results = base + [{"role": "user", "content": block}]
     a = tokenizer.apply_chat_template(base, add_generation_prompt=False)

@@ -81,6 +81,7 @@ def check_serve_config(cfg) -> None:
     model's parser exists, every model path exists."""
     from pathlib import Path
 
+    from interlace.gateway.config import ConfigError
     from interlace.gateway.plugin_host import BUILTIN_PLUGINS, PluginHost, PluginLoadError
 
     try:
@@ -90,10 +91,11 @@ def check_serve_config(cfg) -> None:
         parsers = host.parsers()
     except (PluginLoadError, ImportError) as e:
         raise UserError(f"{cfg.source}: plugins: {_plugin_error(e)}") from e
+    try:
+        cfg.check_parsers(parsers)
+    except ConfigError as e:
+        raise UserError(str(e)) from e
     for spec in cfg.models.values():
-        if spec.parser not in parsers:
-            raise UserError(f"{cfg.source}: models.{spec.name}.parser: unknown parser {spec.parser!r} "
-                            f"(installed: {', '.join(sorted(parsers))})")
         if spec.path != "embedded" and not Path(spec.path).exists():
             raise UserError(f"{cfg.source}: models.{spec.name}.path: {spec.path!r} does not exist")
 

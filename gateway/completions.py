@@ -509,6 +509,7 @@ def _cut(texts: List[str], limit: Optional[int]) -> List[str]:
 
 
 def _not_run(call: _Call, why: str) -> ServerToolResult:
+    """The failed result of a call that produced none (``call.error``, else ``why``)."""
     now = time.time()
     return ServerToolResult(call.index, call.id, call.name, call.arguments, False, None, call.error or why,
                             call.started_at, None, None, now, call.runtime_call is not None
@@ -608,11 +609,8 @@ async def _result(call: _Call, metrics: Any) -> ServerToolResult:
         if call.error and not call.task.done():
             call.events.put_nowait(("abandon",))
         r = await call.task
-    now = time.time()
     if r is None:
-        res = ServerToolResult(call.index, call.id, call.name, call.arguments, False, None,
-                               call.error or "the tool call was not completed", call.started_at, None, None, now,
-                               bool(call.runtime_call is not None and call.runtime_call.partial), call.aborted_early)
+        res = _not_run(call, "the tool call was not completed")
     else:
         # the tool began work at the call's start with partial execution, at the arguments' end without
         began = r.started_at if r.partial else r.finish_called_at

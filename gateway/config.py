@@ -16,7 +16,7 @@ import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, Iterable, List, Union
 
 import jsonschema
 import yaml
@@ -156,6 +156,13 @@ class GatewayConfig:
     default_max_tokens: int = 1024
     source: str = "<dict>"
     raw: Dict[str, Any] = field(default_factory=dict)
+    def check_parsers(self, installed: Iterable[str]) -> None:
+        """:class:`ConfigError` naming the first model whose parser is not ``installed``."""
+        names = sorted(installed)
+        for spec in self.models.values():
+            if spec.parser not in names:
+                raise ConfigError(f"{self.source}: models.{spec.name}.parser: unknown parser {spec.parser!r} "
+                                  f"(installed: {', '.join(names)})")
 
 
 def _substitute_env(node: Any, path: str, source: str) -> Any:

@@ -472,7 +472,7 @@ class KeyGuard:
                 expect_key = False
                 key.clear()
             elif b == _OBJ or b == _ARR:
-                frames.append((b == _OBJ, set() if commit else set()))
+                frames.append((b == _OBJ, set()))
                 if not commit:
                     added.pop(len(frames), None)
                 expect_key = b == _OBJ

@@ -9,13 +9,14 @@ retry 5xx, so a bad request must never look like a server failure.
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import jsonschema
 import numpy as np
+
+from ..parsers.jsonscan import loads as strict_loads
 
 FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
 INT32_MAX = 2 ** 31 - 1
@@ -199,18 +200,6 @@ def json_depth(raw: bytes) -> int:
     return int(step.cumsum().max(initial=0))
 
 
-def _no_constant(name: str) -> Any:
-    raise APIError(400, f"{name} is not valid JSON (only finite numbers are)", code="invalid_json")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise APIError(400, f"the number {text[:40]} is out of range (only finite numbers are valid)",
-                       code="invalid_json")
-    return value
-
-
 def parse_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Strict JSON for requests: UTF-8, at most ``max_depth`` levels deep, finite numbers only
     (no ``NaN``, ``Infinity``, ``1e999``) and no lone surrogates (``"\\ud800"``) -- each of these
@@ -227,9 +216,9 @@ def parse_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise APIError(400, f"JSON nested {depth} levels deep; at most {max_depth} are allowed",
                        code="invalid_json")
     try:
-        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
-    except ValueError as e:  # JSONDecodeError, and int() of an over-long integer literal
-        raise APIError(400, f"invalid JSON: {e}", code="invalid_json") from None
+        value = strict_loads(text)
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity/1e999, int() of an over-long integer literal
+        raise APIError(400, f"invalid JSON: {str(e)[:200]}", code="invalid_json") from None
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

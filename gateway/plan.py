@@ -68,7 +68,7 @@ def build_plan(gw: Any, model: Any, body: Dict[str, Any], caller: Optional[str] 
         if processors:
             # the constraint covers the first round when tools run here, else the whole output
             constrained = piece_ids[0] if server else [t for p in piece_ids for t in p]
-            check_replay(model, constraint(model, body, tools, choice), constrained)
+            check_replay(model, processors, constrained)  # fresh, and replaced by the replay below
         eos = min(model.tokenizer.eos_token_ids) if model.tokenizer.eos_token_ids else None
         processors = (ForcedOutput(piece_ids, eos),)
     elif server and processors:  # tool_choice / format constrain the first round, not the final answer

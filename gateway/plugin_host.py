@@ -50,6 +50,7 @@ __all__ = [
     "BUILTIN_PLUGINS",
     "list_plugins",
     "validate_tool_settings",
+    "configure_tool",
 ]
 
 log = logging.getLogger(__name__)
@@ -139,12 +140,21 @@ def validate_tool_settings(tool: Tool, settings: Mapping[str, Any]) -> None:
             raise PluginLoadError(f"tool {tool.name!r}: {where}: {error.message}")
 
 
-def _apply_common_settings(tool: Tool, settings: Mapping[str, Any]) -> None:
-    """Common settings (validated already) become the tool attributes of the same name."""
+def configure_tool(tool: Tool, settings: Mapping[str, Any]) -> None:
+    """Give ``tool`` its settings, as the host does at ``register``: the one place they are applied.
+
+    Validates them (:func:`validate_tool_settings`), calls
+    ``tool.configure(settings)``, sets the common settings as the attributes of
+    the same name (so a tool's ``configure`` reads only its own keys) and runs
+    ``tool.check()``.
+    """
+    validate_tool_settings(tool, settings)
+    tool.configure(settings)
     kinds: dict[str, Callable[[Any], Any]] = {"timeout_s": float, "cpu_s": float, "env": dict}
     for key in COMMON_SETTINGS:
         if key in settings:
             setattr(tool, key, kinds.get(key, int)(settings[key]))
+    tool.check()
 
 
 # --------------------------------------------------------------------------- attribution
@@ -203,8 +213,7 @@ class _PluginView:
                 continue
             function = getattr(plugin, attr)
             if not (opts.get("wrapper") or opts.get("hookwrapper")):
-                function = _attributed(name, opts.get("specname") or attr, function)
-                setattr(function, f"{PROJECT}_impl", opts)
+                function = _attributed(name, opts.get("specname") or attr, function)  # wraps() keeps the marker
             setattr(self, attr, function)
 
     def __repr__(self) -> str:
@@ -324,10 +333,7 @@ class PluginHost:
                     )
                 settings = dict(self.tool_settings.get(tool.name, {}))
                 try:
-                    validate_tool_settings(tool, settings)
-                    tool.configure(settings)
-                    _apply_common_settings(tool, settings)
-                    tool.check()
+                    configure_tool(tool, settings)
                 except PluginLoadError:
                     raise
                 except Exception as exc:

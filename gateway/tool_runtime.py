@@ -110,9 +110,7 @@ Policy = Callable[[str, dict[str, Any], Any], "str | None"]
 _tokens = itertools.count(1)
 _call_ids = itertools.count(1)
 _WORKER_ENTRY = "from interlace.gateway.tool_worker import main; main()"
-#: Defaults of the common settings (contract: ``Tool`` may not define them yet).
-DEFAULT_MEMORY_MB = 1024
-DEFAULT_CPU_S = 30.0
+#: Calls a per-call pool runs at once when its tool does not say (``Tool.max_concurrent``).
 DEFAULT_MAX_CONCURRENT = 8
 
 
@@ -172,7 +170,7 @@ def worker_environment(tool: Tool, home: str) -> dict[str, str]:
         "HOME": home,
         "TMPDIR": home,
     }
-    env.update({str(k): str(v) for k, v in (getattr(tool, "env", None) or {}).items()})
+    env.update(tool.env)  # str -> str: Tool.check() and the host's settings validation see to it
     return env
 
 
@@ -423,12 +421,7 @@ class _Pool:
         self.spares = max(1, size)
         max_concurrent = getattr(tool, "max_concurrent", None) or DEFAULT_MAX_CONCURRENT
         self.capacity = max(self.spares, int(max_concurrent)) if self.per_call else self.spares
-        self.limits = {
-            "memory_mb": getattr(tool, "memory_mb", DEFAULT_MEMORY_MB),
-            "cpu_s": getattr(tool, "cpu_s", DEFAULT_CPU_S),
-            "per_call": self.per_call,
-            "nice": getattr(tool, "nice", 0),
-        }
+        self.limits = {"memory_mb": tool.memory_mb, "cpu_s": tool.cpu_s, "per_call": self.per_call, "nice": tool.nice}
         self.tool_bytes = pickle.dumps(tool)
         self.workers: set[_Worker] = set()
         self.idle: deque[_Worker] = deque()
@@ -490,14 +483,12 @@ class _Pool:
         return None
 
     def _dispatch(self) -> None:
-        while self.busy < self.capacity and self.idle and len(self.waiters):
-            fut = self.waiters.pop()
+        while self.busy < self.capacity and len(self.waiters):
             worker = self._take_idle()
-            if fut is None or worker is None:
-                if worker is not None:
-                    self.busy -= 1
-                    self.idle.appendleft(worker)
+            if worker is None:
                 break
+            fut = self.waiters.pop()
+            assert fut is not None  # len() counts only waiters still waiting
             fut.set_result(worker)
         self.top_up()
 
@@ -654,7 +645,7 @@ class ToolCall:
                 self._fail(exc)
                 return self._make_result(ok=False)
             _, _, ok, content, error_type, message, field = reply
-            self._release_worker()
+            self._detach(used=True)
             if not ok:
                 self._fail(self._rebuild(error_type, message, field))
                 return self._make_result(ok=False)
@@ -806,9 +797,6 @@ class ToolCall:
         if worker is not None:
             self.pool.release(worker, used=used)
 
-    def _release_worker(self) -> None:
-        self._detach(used=True)
-
     def _kill_worker(self) -> None:
         worker = self._worker
         if worker is not None:
@@ -832,7 +820,7 @@ class ToolCall:
         except asyncio.TimeoutError:
             self._kill_worker()
             return
-        self._release_worker()
+        self._detach(used=True)
 
     def _make_result(self, *, ok: bool, content: Any = None) -> ToolResult:
         failure = None if ok else self.failure

@@ -447,12 +447,9 @@ class Llama3JsonParser(_JsonEnvelopeParser):
                     self._state = "pre"
                 else:
                     self._state = "text"
-            elif st == "resync":
+            else:  # resync
                 if not self._resync():
                     return
-            else:  # skip
-                self._buf = ""
-                return
 
     def _finish(self) -> None:
         st = self._state

@@ -110,10 +110,11 @@ class PythonicParser(StreamingParser):
                 if final and marker is None:
                     end = len(buf)
                 if marker == "[":  # a call list after prose, as SGLang reads it: "Sure: [f(x=1)]"
-                    if _CALL_HEAD.match(buf, end) or (not final and _MAYBE_HEAD.match(buf, end)):
+                    head = _CALL_HEAD.match(buf, end)
+                    if head or (not final and _MAYBE_HEAD.match(buf, end)):
                         self._emit_text(buf[:end])
                         self._buf = buf[end:]
-                        if not _CALL_HEAD.match(buf, end):
+                        if not head:
                             return  # wait: "[name" may still become "[name("
                         self._prefix = ""
                         self._state = "cand"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from interlace import Granularity, InvalidToolArguments, Tool, ToolError
@@ -169,9 +169,6 @@ class CalculatorTool(Tool):
         """What the tool can reach: nothing but arithmetic on bounded numbers."""
         return {"reaches": "nothing: arithmetic on an AST whitelist, no eval",
                 "max_int_bits": MAX_INT_BITS, "max_expression_chars": MAX_EXPRESSION_CHARS}
-
-    def configure(self, settings: Mapping[str, Any]) -> None:
-        self.timeout_s = float(settings.get("timeout_s", self.timeout_s))
 
     def on_start(self) -> None:
         self._early: tuple[str, Number] | None = None

@@ -54,7 +54,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
 from interlace import Granularity, Tool, ToolConfigError
-from interlace.gateway.tool_worker import set_hard_limit  # the one rlimit helper every worker uses
+from interlace.gateway.tool_worker import CPUTimeExceeded, set_hard_limit  # shared with every worker
 
 __all__ = ["PythonTool", "probe_isolation", "isolate_network", "NETWORK_ISOLATION_LABELS"]
 
@@ -117,14 +117,13 @@ def _probe_main() -> None:
     print(json.dumps({"network_namespace": how, "network_interfaces": _network_interfaces()}))
 
 
-def probe_isolation(settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def probe_isolation() -> dict[str, Any]:
     """Start a throw-away process, isolate its network as a worker would, report the outcome.
 
     Returns ``{"network_namespace": "netns" | "userns+netns" | None,
     "network_interfaces": [...]}``.  Costs one interpreter start (no warm
     imports); the python tool runs it once, at set-up.
     """
-    del settings  # kept for callers of the old signature: isolation does not depend on them
     proc = subprocess.run(
         [sys.executable, "-c", "from interlace.plugins.python_tool import _probe_main; _probe_main()"],
         env={"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8")},
@@ -237,36 +236,16 @@ class PythonTool(Tool):
         self._probe: dict[str, Any] | None = None
         self._mpl_dir: str | None = None
 
-    @property
-    def cpu_time_s(self) -> float:
-        """Old name of the common ``cpu_s`` setting."""
-        return self.cpu_s
-
-    @cpu_time_s.setter
-    def cpu_time_s(self, value: float) -> None:
-        self.cpu_s = float(value)
-
     def configure(self, settings: Mapping[str, Any]) -> None:
-        try:
-            if "cpu_time_s" in settings:
-                self.cpu_s = float(settings["cpu_time_s"])
-            for key in ("cpu_s", "timeout_s"):
-                if key in settings:
-                    setattr(self, key, float(settings[key]))
-            for key in ("memory_mb", "workers", "file_size_mb", "max_open_files", "max_processes", "max_concurrent",
-                        "max_output_chars"):
-                if key in settings:
-                    setattr(self, key, int(settings[key]))
-            for key in ("isolate_network", "allow_unisolated"):
-                if key in settings:
-                    if not isinstance(settings[key], bool):
-                        raise TypeError(f"{key} must be true or false")
-                    setattr(self, key, settings[key])
-            self.warm_imports = tuple(str(m) for m in settings.get("warm_imports", self.warm_imports))
-            if "env" in settings:
-                self.env = {str(k): str(v) for k, v in dict(settings["env"]).items()}
-        except (TypeError, ValueError) as exc:
-            raise ToolConfigError(f"python tool settings: {exc}") from exc
+        # Validated against settings_schema by the host, which also applies the
+        # common settings (cpu_s, memory_mb, timeout_s, workers, env, nice) after this.
+        if "cpu_time_s" in settings:  # old name of cpu_s; cpu_s itself, when given, wins
+            self.cpu_s = float(settings["cpu_time_s"])
+        for key in ("file_size_mb", "max_open_files", "max_processes", "max_concurrent", "max_output_chars",
+                    "isolate_network", "allow_unisolated"):
+            if key in settings:
+                setattr(self, key, settings[key])
+        self.warm_imports = tuple(settings.get("warm_imports", self.warm_imports))
 
     # -- gateway process ----------------------------------------------------------------
 
@@ -422,7 +401,7 @@ class PythonTool(Tool):
                         exec(compile(ast.Module([stmt], []), _FILENAME, "exec"), self._ns)
                         self._last = None
             except BaseException as exc:  # noqa: BLE001 - user code may raise anything, SystemExit included
-                if type(exc).__name__ == "CPUTimeExceeded":  # the runtime's per-call CPU budget
+                if isinstance(exc, CPUTimeExceeded):  # the runtime's per-call CPU budget
                     self._error = f"CPUTimeExceeded: more than {self.cpu_s:g}s of CPU time"
                     continue
                 tb = exc.__traceback__

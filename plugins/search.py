@@ -126,7 +126,6 @@ class SearchTool(Tool):
         self.delay_s = float(settings.get("delay_s", self.delay_s))
         self.default_k = int(settings.get("default_k", self.default_k))
         self.max_k = int(settings.get("max_k", self.max_k))
-        self.timeout_s = float(settings.get("timeout_s", self.timeout_s))
         self.index_path = settings.get("index_path") or None
         self.parameters = {**self.parameters, "properties": {
             **self.parameters["properties"], "k": {"type": "integer", "minimum": 1, "maximum": self.max_k}}}

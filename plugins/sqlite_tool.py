@@ -144,7 +144,6 @@ class SqliteTool(Tool):
         self.max_rows = int(settings.get("max_rows", self.max_rows))
         self.max_value_bytes = int(settings.get("max_value_bytes", self.max_value_bytes))
         self.max_result_bytes = int(settings.get("max_result_bytes", self.max_result_bytes))
-        self.timeout_s = float(settings.get("timeout_s", self.timeout_s))
         if not database:
             self.enabled = False
             return

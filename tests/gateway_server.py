@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -52,3 +53,18 @@ class LiveGateway:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
+
+
+def engine_state(live: LiveGateway, model: str = "smollm2") -> dict:
+    """The served model's engine invariants (contexts, used blocks, ...), checked now."""
+    return asyncio.run(live.gateway.models[model].engine.check_invariants())
+
+
+def wait_idle(live: LiveGateway, timeout: float = 10.0, model: str = "smollm2") -> dict:
+    """:func:`engine_state` once no context is left, or at ``timeout`` (the caller asserts)."""
+    deadline = time.time() + timeout
+    while True:
+        st = engine_state(live, model)
+        if st["contexts"] == 0 or time.time() > deadline:
+            return st
+        time.sleep(0.05)

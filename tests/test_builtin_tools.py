@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
+from interlace.gateway.plugin_host import PluginLoadError, configure_tool
 from interlace.gateway.tool_runtime import ToolResult, ToolRuntime
 from interlace.gateway.tools import InvalidToolArguments, ToolConfigError
 from interlace.plugins.calculator import CalculatorError, CalculatorTool, evaluate
@@ -84,7 +85,7 @@ SECRET_VAR, SECRET = "INTERLACE_TEST_SECRET_API_KEY", "sk-must-not-leak-7f3a"
 @pytest.fixture(scope="module")
 def rt(database: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     python = PythonTool()
-    python.configure({"cpu_time_s": 1, "memory_mb": 1024, "timeout_s": 10, "env": {"INTERLACE_VISIBLE": "yes"}})
+    configure_tool(python, {"cpu_time_s": 1, "memory_mb": 1024, "timeout_s": 10, "env": {"INTERLACE_VISIBLE": "yes"}})
     sqlite = SqliteTool()
     sqlite.configure({"database": str(database), "max_rows": 10})
     search = SearchTool()
@@ -683,8 +684,8 @@ def test_settings_schema_accepts_every_documented_setting(cls: type, settings: d
 
 
 def test_python_allow_unisolated_must_be_a_boolean() -> None:
-    with pytest.raises(ToolConfigError, match="allow_unisolated"):
-        PythonTool().configure({"allow_unisolated": "yes"})
+    with pytest.raises(PluginLoadError, match="allow_unisolated"):
+        configure_tool(PythonTool(), {"allow_unisolated": "yes"})
 
 
 @pytest.mark.parametrize("cls", BUILTIN_TOOL_CLASSES, ids=lambda c: c.name)
@@ -709,7 +710,7 @@ def test_python_programs_it_runs_do_not_inherit_the_worker_pipe(rt: Harness) -> 
 def test_python_isolation_is_logged_at_start_up(caplog: pytest.LogCaptureFixture) -> None:
     """The README promises the isolation in force is reported at start-up: it is, in the log."""
     tool = PythonTool()
-    tool.configure({"warm_imports": [], "workers": 1})
+    configure_tool(tool, {"warm_imports": [], "workers": 1})
 
     async def main() -> None:
         async with ToolRuntime([tool]):

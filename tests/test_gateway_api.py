@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 import time
@@ -12,7 +11,7 @@ import openai
 import psutil
 import pytest
 
-from gateway_server import LiveGateway
+from gateway_server import LiveGateway, engine_state, wait_idle
 
 KEY = "test-key"
 WEATHER = {"type": "function", "function": {
@@ -56,20 +55,6 @@ def live(tmp_path_factory):
 @pytest.fixture
 def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-def engine_state(live):
-    eng = live.gateway.models["smollm2"].engine
-    return asyncio.run(eng.check_invariants())
-
-
-def wait_idle(live, timeout=10.0):
-    deadline = time.time() + timeout
-    while True:
-        st = engine_state(live)
-        if st["contexts"] == 0 or time.time() > deadline:
-            return st
-        time.sleep(0.1)
 
 
 def test_models_health_plugins_metrics(live, client):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import http.client
 import json
@@ -13,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from gateway_server import LiveGateway
+from gateway_server import LiveGateway, engine_state, wait_idle
 from interlace.gateway.app import load_engine
 
 USER = [{"role": "user", "content": "Say hello."}]
@@ -47,19 +46,6 @@ def live():
            "plugins": {"entrypoints": False}}
     with LiveGateway(cfg, engine_factory=lambda spec: BreaksMidGeneration(load_engine(spec))) as gw:
         yield gw
-
-
-def engine_state(live):
-    return asyncio.run(live.gateway.models["smollm2"].engine.check_invariants())
-
-
-def wait_idle(live, timeout=10.0):
-    deadline = time.time() + timeout
-    while True:
-        st = engine_state(live)
-        if st["contexts"] == 0 or time.time() > deadline:
-            return st
-        time.sleep(0.05)
 
 
 def post_raw(live, raw: bytes) -> httpx.Response:

@@ -339,7 +339,6 @@ class NativeEngine:
             if ctx.gen is not None and not ctx.gen.done:
                 self._finish(ctx, "abort")
             for op in ctx.fill_waiters:
-                op.state = "failed"
                 if not op.fut.done():
                     op.fut.set_exception(E.EngineClosed("the engine was closed"))
             ctx.fill_waiters.clear()
@@ -404,27 +403,25 @@ class NativeEngine:
         op.end = len(ctx.token_ids)
         ctx.last_fill = op
         if ctx.num_uncomputed:
-            op.state = "pending"
             ctx.last_logits = None
             ctx.fill_waiters.append(op)
             self.scheduler.add(ctx)
         else:
-            op.state = "done"
             fut.set_result(len(ctx.token_ids))
 
     def _undo_fill(self, op: FillOp) -> None:
         """The caller of ``op`` was cancelled: take its tokens back out, unless
-        it never ran, failed, or another call has built on it since."""
+        it never ran, failed, or another call has built on it since (a failed
+        or undone fill is neither pending nor ``last_fill`` any more)."""
         ctx = op.ctx
         if ctx is None or self.contexts.get(ctx.id) is not ctx:
             return
-        if op.state == "pending":
+        if op in ctx.fill_waiters:  # still computing
             i = ctx.fill_waiters.index(op)
             self._rollback_fills(ctx, i, E.FillCancelled(
                 f"an earlier fill of context {ctx.id!r} was cancelled; this later fill was undone with it"))
-        elif (op.state == "done" and ctx.last_fill is op and ctx.gen is None and not ctx.fill_waiters
-              and len(ctx.token_ids) == op.end):
-            op.state = "undone"
+        elif (ctx.last_fill is op and ctx.gen is None and not ctx.fill_waiters
+              and len(ctx.token_ids) == op.end):  # done, and nothing built on it
             self._truncate(ctx, op.rollback, op.created)
 
     def _rollback_fills(self, ctx: Context, i: int, err: Exception) -> None:
@@ -432,7 +429,6 @@ class NativeEngine:
         tokens (a later fill's tokens sit on top of an earlier one's)."""
         ops, ctx.fill_waiters = ctx.fill_waiters[i:], ctx.fill_waiters[:i]
         for op in ops:
-            op.state = "undone"
             if not op.fut.done():
                 op.fut.set_exception(err)
         self._truncate(ctx, ops[0].rollback, ops[0].created)
@@ -440,6 +436,7 @@ class NativeEngine:
     def _truncate(self, ctx: Context, n: int, created: bool) -> None:
         """Put a context back to its first ``n`` tokens, or drop it if the
         undone fill created it (and nobody forked it since)."""
+        ctx.last_fill = None
         if created and not ctx.children:
             self._drop(ctx)
             return
@@ -447,7 +444,6 @@ class NativeEngine:
             return
         del ctx.token_ids[n:]
         ctx.last_logits = None
-        ctx.last_fill = None
         if ctx.num_computed > n:  # its KV past n may be in cached blocks: recompute
             self.scheduler.preempt(ctx)
         if not ctx.num_uncomputed:
@@ -501,7 +497,6 @@ class NativeEngine:
         if ctx.gen is not None:
             self._finish(ctx, "abort")
         for op in ctx.fill_waiters:
-            op.state = "failed"
             if not op.fut.done():
                 op.fut.set_exception(E.ContextNotFound(cid))
         ctx.fill_waiters.clear()
@@ -604,7 +599,6 @@ class NativeEngine:
                 ctx.last_logits = logits[r].clone()
                 self.scheduler.remove(ctx)
             for op in ctx.fill_waiters:
-                op.state = "done"
                 if not op.fut.done():
                     op.fut.set_result(len(ctx.token_ids))
             ctx.fill_waiters.clear()
@@ -652,9 +646,7 @@ class NativeEngine:
             window = gen.tail + delta
             hit = any(s in window and window.rfind(s) + len(s) > len(gen.tail) for s in sp.pause_on)
             gen.tail = window[-max(len(s) for s in sp.pause_on):]
-            if hit:
-                text += gen.held
-                gen.held = ""
+            if hit:  # _pause emits the held-back text too
                 self._pause(ctx, PauseHint(), TokenEvent(tok, text, lp))
                 return
         gen.emit(TokenEvent(tok, text, lp))

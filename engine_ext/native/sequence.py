@@ -41,7 +41,6 @@ class FillOp:
     rollback: int = 0                     # context length before the fill
     end: int = 0                          # context length after it
     created: bool = False                 # the fill created the context (new or forked)
-    state: str = "new"                    # new -> pending -> done | failed | undone
     ctx: Optional["Context"] = None
 
 

@@ -154,6 +154,11 @@ class Tokenizer:
             self._plain = plain
         return self._plain.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def find_special(self, text: str) -> Optional[str]:
+        """The first special token written in ``text`` (its text), or None."""
+        m = self._special_re.search(text) if self._special_re is not None else None
+        return m.group() if m else None
+
     def encode_pieces(self, pieces: Sequence[Tuple[str, bool]]) -> List[int]:
         """Encode ``(text, trusted)`` pieces: special tokens are recognised in
         trusted text only; everything between them (trusted text and
