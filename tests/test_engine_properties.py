@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from interlace.engine_ext import errors as E
 from interlace.engine_ext.native.engine import NativeEngine
-from interlace.engine_ext.policies import AlwaysDiscard, AlwaysPreserve
+from interlace.engine_ext.policies import Discard, Preserve
 from interlace.engine_ext.protocol import SamplingParams
 
 LIMIT = 60
@@ -41,7 +41,7 @@ OP = st.one_of(
 
 @pytest.fixture(scope="module", params=["preserve", "discard"])
 def engine(request, tiny_dirs):
-    policy = AlwaysPreserve() if request.param == "preserve" else AlwaysDiscard()
+    policy = Preserve() if request.param == "preserve" else Discard()
     # a small cache so preemption and prefix-cache eviction happen too
     e = NativeEngine.load(tiny_dirs["llama"][0], block_size=4, num_blocks=16, max_model_len=LIMIT,
                           interception=policy, max_batched_tokens=16)

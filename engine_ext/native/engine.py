@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Callable, Dict, Hashable, List, Optional,
 import torch
 
 from .. import errors as E
-from ..policies.interception import AlwaysPreserve, Handling, InterceptedContext, InterceptionPolicy
+from ..policies.interception import Preserve, Handling, InterceptedContext, InterceptionPolicy
 from ..policies.ranking import FCFS, RankingPolicy
 from ..protocol import PauseHint, SamplingParams, TokenEvent
 from .block_manager import BlockManager
@@ -132,7 +132,7 @@ class NativeEngine:
                                    inactive=self._inactive_contexts)
         self.runner: Optional[ModelRunner] = None  # allocated by the engine thread (see _loop)
         runner_args = (model, num_blocks, block_size, kv_dtype or next(model.parameters()).dtype, self.device)
-        self.interception = interception or AlwaysPreserve()
+        self.interception = interception or Preserve()
         self.contexts: Dict[Hashable, Context] = {}
         self.ready: List[Context] = []  # generating, all computed: sample from last_logits next step
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0}

@@ -1,7 +1,14 @@
-"""Scheduling and memory policies shared by all engines (plain Python, no torch)."""
+"""Scheduling and memory policies shared by all engines and the simulator
+(plain Python, no torch): interception handling (InferCept), ranking (LAMPS
+and baselines), the predictors they learn with, and the cost model."""
 
-from .interception import AlwaysDiscard, AlwaysPreserve, Handling, InterceptedContext, InterceptionPolicy
-from .ranking import FCFS, RankingPolicy
+from .costmodel import BUILTIN_PROFILES, Profile, ProfileError, roofline, unit_profile
+from .interception import (INTERCEPTION_NAMES, BatchState, Discard, Fixed, Handling, InterceptedContext,
+                           InterceptionPolicy, MinWaste, Preserve, Swap, make_interception)
+from .predictors import OutputLengths, ToolDurations
+from .ranking import FCFS, LAMPS, RANKING_NAMES, SJF, RankingPolicy, RankState, SchedInfo, SJFTotal, make_ranking
 
-__all__ = ["AlwaysDiscard", "AlwaysPreserve", "Handling", "InterceptedContext", "InterceptionPolicy",
-           "FCFS", "RankingPolicy"]
+__all__ = ["BUILTIN_PROFILES", "Profile", "ProfileError", "roofline", "unit_profile", "INTERCEPTION_NAMES",
+           "BatchState", "Discard", "Fixed", "Handling", "InterceptedContext", "InterceptionPolicy", "MinWaste",
+           "Preserve", "Swap", "make_interception", "OutputLengths", "ToolDurations", "FCFS", "LAMPS",
+           "RANKING_NAMES", "SJF", "RankingPolicy", "RankState", "SchedInfo", "SJFTotal", "make_ranking"]

@@ -1,30 +1,219 @@
-"""Ranking of waiting work: which context the scheduler serves first.
+"""Ranking of waiting work: which request the scheduler serves first.
 
-The scheduler asks a ranking policy to order its waiting contexts and
-preempts from the back of the running ones.  First-come-first-served is the
-baseline; LAMPS' memory-over-time ranking plugs in here later.  Free of torch.
+Every iteration the scheduler asks a ranking to order its candidates, fills
+the batch from the front, preempts from the back, and then tells the ranking
+which were served (:meth:`RankingPolicy.observe`) so it can count starvation.
+
+* ``fcfs``      -- arrival order (InferCept, vLLM).
+* ``sjf``       -- shortest predicted remaining output first.
+* ``sjf-total`` -- shortest output plus tool time (both in iterations).
+* ``lamps``     -- LAMPS: least *memory over time* first.  A request's score
+  is the area under its memory curve up to its next tool call (its context
+  grows one token per iteration) plus the waste of the handling predicted
+  for that call by the InferCept equations (preserve holds the context for
+  the whole call; discard costs recomputation that stalls the batch; swap
+  costs the link time).  Starvation prevention (its Algorithm 1): a request
+  passed over ``starvation_threshold`` iterations in a row goes to the head
+  and stays there until it completes; scores are refreshed every
+  ``refresh_interval`` iterations (selective update) rather than every one.
+
+Items are the engines' own request objects; a ranking reads ``arrival`` and
+``sched`` (a :class:`SchedInfo` the engine keeps up to date) and writes
+only ``sched``'s ranking fields.  Free of torch.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Protocol, Sequence, TypeVar
+
+from .costmodel import Profile
+from .interception import (BatchState, Handling, InterceptedContext, InterceptionPolicy, best_case_waste)
+
+
+@dataclass
+class SchedInfo:
+    """What rankings know of one request (kept by the engine or simulator)."""
+
+    context_len: int = 0                   # tokens in its context now
+    segment_generated: int = 0             # tokens generated since its last tool call (or start)
+    expected_output: Optional[int] = None  # predicted tokens of this segment (to the next call or the end)
+    expected_tool: Optional[str] = None
+    expected_tool_s: Optional[float] = None  # predicted time of the call ending this segment (None: no call)
+    handling: Optional[Handling] = None    # handling predicted (or fixed) for that call
+    # owned by the ranking:
+    starvation: int = 0
+    starving: bool = False
+    score: Optional[float] = None
+    scored_at: int = -(1 << 30)
+
+    @property
+    def remaining_output(self) -> int:
+        if self.expected_output is None:
+            return 1 << 20  # unknown: behind every known one (ties keep arrival order)
+        return max(1, self.expected_output - self.segment_generated)
 
 
 class Rankable(Protocol):
-    arrival: float  # monotonic time the work was submitted
+    arrival: float  # when the request arrived (kept across interceptions by ImprovedDiscard)
+    sched: SchedInfo
 
 
 T = TypeVar("T", bound=Rankable)
 
 
-class RankingPolicy(Protocol):
-    def order(self, items: Iterable[T]) -> List[T]:
-        """Return ``items`` best first."""
-        ...
+@dataclass(frozen=True)
+class RankState:
+    """The engine's state a ranking may use."""
+
+    iteration: int = 0
+    iteration_s: float = 1.0                    # a recent iteration's time (converts tool time to iterations)
+    batch_context_tokens: Optional[int] = None  # C_other estimate; None: a full cache
 
 
-class FCFS:
-    """First come, first served (ties keep submission order)."""
+class RankingPolicy:
+    name = "ranking"
 
-    def order(self, items: Iterable[T]) -> List[T]:
+    def key(self, item: Rankable, state: RankState) -> float:
+        raise NotImplementedError
+
+    def order(self, items: Iterable[T], state: RankState = RankState()) -> List[T]:
+        """``items`` best first (ties in arrival order)."""
+        return sorted(items, key=lambda it: (self.key(it, state), it.arrival))
+
+    def observe(self, scheduled: Iterable[Rankable], waiting: Iterable[Rankable]) -> None:
+        """Called after each iteration with what ran and what waited."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class FCFS(RankingPolicy):
+    """First come, first served."""
+
+    name = "fcfs"
+
+    def order(self, items, state=RankState()):
         return sorted(items, key=lambda it: it.arrival)
+
+    def key(self, item, state):
+        return item.arrival
+
+
+class SJF(RankingPolicy):
+    """Shortest (predicted) remaining output first."""
+
+    name = "sjf"
+
+    def key(self, item, state):
+        return item.sched.remaining_output
+
+
+class SJFTotal(RankingPolicy):
+    """Shortest output plus tool time first (LAMPS' "SJF by total length")."""
+
+    name = "sjf-total"
+
+    def key(self, item, state):
+        s = item.sched
+        return s.remaining_output + (s.expected_tool_s or 0.0) / max(state.iteration_s, 1e-12)
+
+
+class LAMPS(RankingPolicy):
+    """Least memory over time first, with starvation prevention (module doc)."""
+
+    name = "lamps"
+
+    def __init__(self, profile: Profile, interception: Optional[InterceptionPolicy] = None, *,
+                 starvation_threshold: int = 100, refresh_interval: int = 1):
+        if not isinstance(starvation_threshold, int) or starvation_threshold < 1:
+            raise ValueError(f"starvation_threshold must be a positive integer, got {starvation_threshold!r}")
+        if not isinstance(refresh_interval, int) or refresh_interval < 1:
+            raise ValueError(f"refresh_interval must be a positive integer, got {refresh_interval!r}")
+        self.profile = profile
+        self.interception = interception
+        self.starvation_threshold = starvation_threshold
+        self.refresh_interval = refresh_interval
+
+    def predicted_handling(self, item: Rankable, c_call: int, t_call_s: float, batch: BatchState) -> Handling:
+        s = item.sched
+        if s.handling is not None:
+            return s.handling
+        if self.interception is None:
+            return Handling.PRESERVE
+        return self.interception.decide(InterceptedContext(c_call, expected_duration_s=t_call_s,
+                                                           tool=s.expected_tool, id=id(item)), batch)
+
+    def score(self, item: Rankable, state: RankState) -> float:
+        """Token-iterations of memory until the next call, plus the
+        predicted handling's waste during it."""
+        s = item.sched
+        c0, o = s.context_len, s.remaining_output
+        area = o * c0 + o * (o + 1) / 2  # the context after each of the o iterations
+        if s.expected_tool_s is None:
+            return area
+        c_call = c0 + o
+        c_other = (state.batch_context_tokens if state.batch_context_tokens is not None
+                   else max(0, self.profile.kv_capacity_tokens - c_call))
+        batch = BatchState(context_tokens=c_other)
+        h = self.predicted_handling(item, c_call, s.expected_tool_s, batch)
+        budgeted = self.interception.budgeted_swap if self.interception is not None else True
+        waste_s = best_case_waste(h, c_call, s.expected_tool_s, batch, self.profile, budgeted)
+        return area + waste_s / max(state.iteration_s, 1e-12)
+
+    def key(self, item, state):
+        s = item.sched
+        if s.score is None or state.iteration - s.scored_at >= self.refresh_interval:
+            s.score, s.scored_at = self.score(item, state), state.iteration
+        return s.score
+
+    def order(self, items, state=RankState()):
+        ranked = sorted(items, key=lambda it: (self.key(it, state), it.arrival))
+        return [it for it in ranked if it.sched.starving] + [it for it in ranked if not it.sched.starving]
+
+    def observe(self, scheduled, waiting):
+        for it in scheduled:
+            if not it.sched.starving:
+                it.sched.starvation = 0
+        for it in waiting:
+            s = it.sched
+            if s.starving:
+                continue
+            s.starvation += 1
+            if s.starvation >= self.starvation_threshold:
+                s.starving, s.starvation = True, 0
+
+    @staticmethod
+    def on_interception(item: Rankable) -> None:
+        """A request that reaches a tool call starts a new segment: its
+        counter restarts (unless it is already prioritized) and its score
+        is recomputed."""
+        s = item.sched
+        if not s.starving:
+            s.starvation = 0
+        s.score = None
+
+
+RANKING_NAMES = ("lamps", "fcfs", "sjf", "sjf-total")
+
+
+def make_ranking(name: str, profile: Optional[Profile] = None,
+                 interception: Optional[InterceptionPolicy] = None, *, starvation_threshold: int = 100,
+                 refresh_interval: int = 1) -> RankingPolicy:
+    """Build a ranking by its configuration name (ValueError names the choices)."""
+    if name == "fcfs":
+        return FCFS()
+    if name == "sjf":
+        return SJF()
+    if name == "sjf-total":
+        return SJFTotal()
+    if name == "lamps":
+        if profile is None:
+            raise ValueError("the lamps ranking needs a profile")
+        return LAMPS(profile, interception, starvation_threshold=starvation_threshold,
+                     refresh_interval=refresh_interval)
+    raise ValueError(f"unknown ranking {name!r}; choose one of {', '.join(RANKING_NAMES)}")
+
+
+__all__: Sequence[str] = ["SchedInfo", "Rankable", "RankState", "RankingPolicy", "FCFS", "SJF", "SJFTotal",
+                          "LAMPS", "make_ranking", "RANKING_NAMES"]
