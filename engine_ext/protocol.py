@@ -123,6 +123,28 @@ class PauseHint:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RequestHint:
+    """What the caller predicts of a ``generate`` request, for the ranking
+    (LAMPS): ``expected_output`` tokens before the next tool call or the end,
+    the ``expected_tool`` that call makes and its ``expected_tool_s``
+    seconds (None: unknown / no call).  ``app`` names the application the
+    prediction was learned for.  Seeds the request's ``SchedInfo``."""
+
+    app: Optional[str] = None
+    expected_output: Optional[int] = None
+    expected_tool: Optional[str] = None
+    expected_tool_s: Optional[float] = None
+
+    def validate(self) -> None:
+        eo, ts = self.expected_output, self.expected_tool_s
+        if eo is not None and (not isinstance(eo, int) or isinstance(eo, bool) or eo < 0):
+            raise InvalidSampling(f"hint.expected_output must be a non-negative integer or None, got {eo!r}")
+        if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not ts >= 0
+                               or ts == float("inf")):
+            raise InvalidSampling(f"hint.expected_tool_s must be a finite number >= 0 or None, got {ts!r}")
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the gateway needs from an engine.  All methods are coroutines
@@ -137,9 +159,11 @@ class Engine(Protocol):
         ...
 
     def generate(self, context_id: ContextId, sampling: SamplingParams,
-                 parent_context_id: Optional[ContextId] = None) -> AsyncIterator[TokenEvent]:
+                 parent_context_id: Optional[ContextId] = None,
+                 hint: Optional[RequestHint] = None) -> AsyncIterator[TokenEvent]:
         """Decode into the context (forking it from the parent first if
-        given), yielding one :class:`TokenEvent` per token."""
+        given), yielding one :class:`TokenEvent` per token.  ``hint``: the
+        caller's predictions for the ranking."""
         ...
 
     async def free_context(self, context_id: ContextId) -> None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, TypeVar
@@ -31,8 +34,10 @@ from . import openai_api as api
 from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
 from .config import GatewayConfig, ModelSpec
 from .http_guard import ClientGone
+from ..engine_ext.policies import OutputLengths, ToolDurations
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .plan import build_plan
+from .retention import RetentionStore
 
 T = TypeVar("T")
 
@@ -49,6 +54,12 @@ class ModelServer:
     parser_factory: Callable[[], Any]
     created: int = field(default_factory=lambda: int(time.time()))
     _grammar: Any = None
+    #: tool call durations, shared with the engine's interception policy (the engine observes them)
+    durations: Any = field(default_factory=ToolDurations)
+    #: tokens a segment (to the next tool call or the end) produces, per application (LAMPS' predictor)
+    lengths: Any = field(default_factory=OutputLengths)
+    #: finished chat contexts kept across client-side tool calls (None: retention is off)
+    retention: Optional[RetentionStore] = None
 
     @property
     def tokenizer(self) -> Any:
@@ -103,11 +114,18 @@ class Gateway:
         try:
             engines: Dict[str, Any] = {}  # models that differ only in name/parser share one engine
             for spec in cfg.models.values():
-                key = json.dumps([spec.engine, spec.path, spec.engine_args], sort_keys=True)
+                key = json.dumps([spec.engine, spec.path, spec.engine_args, dataclasses.asdict(spec.policy)],
+                                 sort_keys=True)
                 if key not in engines:
                     engines[key] = await asyncio.to_thread(self.engine_factory, spec)
                 engine = engines[key]
-                self.models[spec.name] = ModelServer(spec.name, spec, engine, self.parsers.get(spec.parser))
+                interception = getattr(engine, "interception", None)
+                durations = getattr(interception, "durations", None) or ToolDurations()
+                retention = spec.policy.retention
+                store = (RetentionStore(engine, spec.name, retention, self.metrics, gaps=durations) if retention.enabled
+                         and retention.max_contexts > 0 and retention.max_tokens > 0 else None)
+                self.models[spec.name] = ModelServer(spec.name, spec, engine, self.parsers.get(spec.parser),
+                                                     durations=durations, retention=store)
                 self.metrics.watch_engine(spec.name, lambda e=engine: e.blocks.num_used, engine.blocks.num_blocks)
             self.runtime = ToolRuntime(self.host.tools(), policy=self.host.before_tool_execution)
             await self.runtime.start()
@@ -120,17 +138,74 @@ class Gateway:
         if self.runtime is not None:
             await self.runtime.close()
             self.runtime = None
+        for m in self.models.values():
+            if m.retention is not None:
+                await m.retention.close()
         for engine in {id(m.engine): m.engine for m in self.models.values()}.values():
             await asyncio.to_thread(engine.close)
         self.models.clear()
 
 
 def load_engine(spec: ModelSpec) -> Any:
+    """The model's engine with its configured policies.  The profile they
+    reason with may have to be measured on this engine (``auto``), so the
+    engine is built first and given its policies before it serves."""
     from ..engine_ext.embedded import embedded_model_dir
     from ..engine_ext.native.engine import NativeEngine
+    from ..engine_ext.policies import make_interception, make_ranking
 
     path = embedded_model_dir() if spec.path == "embedded" else spec.path
-    return NativeEngine.load(path, **spec.engine_args)
+    p = spec.policy
+    engine = NativeEngine.load(path, **spec.engine_args, host_pool_tokens=p.swap_space_tokens,
+                               prefix_caching=p.prefix_caching)
+    try:
+        profile = engine_profile(engine, p.profile, p.swap_space_tokens)
+        interception = make_interception(p.interception, profile, ToolDurations())
+        ranking = make_ranking(p.ranking, profile, interception, starvation_threshold=p.starvation_threshold,
+                               refresh_interval=p.refresh_interval)
+        engine.set_policies(interception=interception, ranking=ranking, profile=profile)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def engine_profile(engine: Any, name: str, host_pool_tokens: int = 0) -> Any:
+    """The cost model for ``engine``: a profile file or built-in name, or
+    (``auto``) one measured on this model, dtype and device, cached under
+    ``$INTERLACE_CACHE/profiles`` so only the first start-up pays for it."""
+    from ..engine_ext.native.loader import cache_root
+    from ..engine_ext.policies import Profile, ProfileError
+
+    if name != "auto":
+        return Profile.load(name)
+    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+    device = engine.device.type
+    if device == "cuda":
+        import torch
+
+        device = torch.cuda.get_device_name(engine.device)
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{engine.name}-{dtype}-{device}-bs{engine.block_size}")
+    path = cache_root() / "profiles" / f"{key}.json"
+    profile = None
+    if path.is_file():
+        try:
+            profile = Profile.load(path)
+        except ProfileError as e:  # our own cache: measure again
+            log.warning("ignoring the cached profile %s: %s", path, e)
+    if profile is None:
+        from ..engine_ext.native.profiler import measure_profile
+
+        log.warning("measuring a profile of %s (once; cached in %s)", key, path)
+        profile = measure_profile(engine, quick=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        profile.save(tmp)
+        os.replace(tmp, path)  # atomic: a concurrent start-up never reads half a file
+    # the forward and swap times are the model's and device's; the capacities are this engine's
+    return dataclasses.replace(profile, kv_capacity_tokens=engine.blocks.num_blocks * engine.block_size,
+                               max_batched_tokens=engine.scheduler.max_batched_tokens,
+                               host_capacity_tokens=host_pool_tokens)
 
 
 # ===================================================================== routes

@@ -177,15 +177,20 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
         if role in ("system", "developer"):
             out.append({"role": "system", "content": mark(_content_text(m.get("content")))})
         elif role == "assistant":
-            parts = [mark(_content_text(m.get("content")))] if m.get("content") else []
+            text = _content_text(m.get("content"))
             calls = []
             for c in m.get("tool_calls") or []:
                 name, args = _arguments(c)
                 _check_plain(tokenizer, name, "tool call name")
                 calls.append((name, _mark_leaves(tokenizer, args, mark, "tool call arguments")))
             if calls:
-                parts.append(_render_calls(fmt, calls))
-            out.append({"role": "assistant", "content": "\n".join(parts)})
+                # as the model wrote it: text before the calls keeps its own line break, and
+                # whitespace between calls (returned as content) is the calls' separator
+                text = text if text.strip() else ""
+                head = "" if not text else mark(text) + ("" if text.endswith("\n") else "\n")
+                out.append({"role": "assistant", "content": head + _render_calls(fmt, calls)})
+            else:
+                out.append({"role": "assistant", "content": mark(text) if text else ""})
         else:
             out.append({"role": "user", "content": mark(_content_text(m.get("content")))})
     flush_results()

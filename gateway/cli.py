@@ -159,6 +159,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from interlace.bench import tools as bench_tools
 
         return bench_tools.main(args.rest)
+    if args.what == "trace":
+        from interlace.bench import trace as bench_trace
+
+        return bench_trace.main(args.rest)
     print(f"unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -195,11 +199,29 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plugins)
 
-    b = sub.add_parser("bench", help="run a benchmark (engine)")
-    b.add_argument("what", choices=["engine", "tools"])
+    b = sub.add_parser("bench", help="run a benchmark (engine, tools, trace)")
+    b.add_argument("what", choices=["engine", "tools", "trace"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
+
+    from interlace.engine_ext.sim.cli import add_sim_arguments, run_sim  # torch-free: cheap to import
+
+    sm = sub.add_parser("sim", help="simulate a trace under interception and ranking policies (no torch)")
+    add_sim_arguments(sm)
+    sm.set_defaults(fn=run_sim)
+
+    pr = sub.add_parser("profile", help="measure forward, swap and saturation times of a model here (JSON)")
+    pr.add_argument("rest", nargs=argparse.REMAINDER)
+    pr.set_defaults(fn=cmd_profile)
     return p
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from interlace.engine_ext.native.profiler import add_profile_arguments, run_profile
+
+    ap = argparse.ArgumentParser(prog="interlace profile")
+    add_profile_arguments(ap)
+    return run_profile(ap.parse_args(args.rest))
 
 
 def main(argv: Optional[List[str]] = None) -> int:

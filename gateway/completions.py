@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -55,11 +56,13 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from ..engine_ext.errors import EngineError
-from ..engine_ext.protocol import PauseHint, SamplingParams
+from ..engine_ext.protocol import PauseHint, RequestHint, SamplingParams
 from ..parsers.events import ArgumentsDelta, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd, ToolCallStart
 from .chat import tool_results_turn
 from .tools import InvalidToolArguments, ToolError
 
+
+log = logging.getLogger(__name__)
 
 _REF = re.compile(r"\$\{?(\d+)\}?")
 
@@ -368,7 +371,7 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                          metrics: Any = None) -> AsyncIterator[Any]:
     """Yield Content / CallStart / CallArgs / ServerToolResult / Finish."""
     engine = model.engine
-    ctx = f"chat-{uuid.uuid4().hex}"
+    ctx: Any = None
     turn = _Turn(model, plan, runtime)
     fmt = turn.fmt
     sampling = plan.sampling
@@ -380,13 +383,35 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
     aborting = False  # we paused the context to abort a call early
     finish_reason = "stop"
     parser = model.new_parser() if plan.parse_tools else None
+    owner = plan.request_info.get("key")
+    app = f"{model.name}:{owner or ''}"  # LAMPS' output-length predictor learns per model and caller
+    lengths, durations, store = model.lengths, model.durations, model.retention
+    retained = False   # the retention store owns the context now
+    cached = 0         # prompt tokens a retained context already held
+    segment_start, segment_tokens = prompt_tokens, 0  # the current segment (to the next tool call or the end)
     try:
-        await engine.fill(ctx, plan.prompt_ids)
-        stream = engine.generate(ctx, sampling)
+        adopted = store.claim(owner, plan.prompt_ids) if store is not None else None
+        if adopted is not None:
+            ctx = adopted.ctx
+            try:
+                held = await engine.computed_tokens(ctx)
+                await engine.fill(ctx, plan.prompt_ids[len(adopted.tokens):])
+                cached = held
+                store.adopted(held)
+            except EngineError as e:  # never fail the follow-up for it: prefill as a new request
+                log.warning("retained context %r could not be adopted, prefilling anew: %s", ctx, e)
+                engine.free_context_nowait(ctx)
+                ctx = None
+        if ctx is None:
+            ctx = f"chat-{uuid.uuid4().hex}"
+            await engine.fill(ctx, plan.prompt_ids)
+        hint = RequestHint(app=app, expected_output=lengths.estimate(app, prompt_tokens))
+        stream = engine.generate(ctx, sampling, hint=hint)
         async with contextlib.aclosing(stream):
             async for ev in stream:
                 if ev.token_id is not None:
                     completion_tokens += 1
+                    segment_tokens += 1
                     if ev.logprob is not None:
                         yield TokenLogprob(ev.token_id, ev.text, ev.logprob)
                 events = parser.feed(ev.text) if parser is not None else ([Text(ev.text)] if ev.text else [])
@@ -394,6 +419,8 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                     events += parser.finish()
                 for pe in events:
                     for out in turn.handle(pe):
+                        if isinstance(out, CallStart) and out.server:
+                            _hint_pause(engine, ctx, out.name, durations)
                         yield out
                 if turn.stop_now and ev.finish_reason is None:
                     finish_reason = "tool_calls"
@@ -401,7 +428,8 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                 if turn.abort_round and not ev.paused and ev.finish_reason is None:
                     turn.abort_round, aborting = False, True
                     try:
-                        await engine.pause(ctx, PauseHint(tool=turn.round[-1].name))
+                        name = turn.round[-1].name
+                        await engine.pause(ctx, PauseHint(tool=name, expected_duration_s=durations.estimate(name)))
                         continue  # the paused event follows on the stream
                     except EngineError:
                         pass  # it paused or finished by itself meanwhile
@@ -445,6 +473,8 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                         finish_reason = "length"
                         break
                     prompt_tokens += len(appended)
+                    lengths.observe(app, segment_start, segment_tokens)  # a segment ended in tool calls
+                    segment_start, segment_tokens = prompt_tokens + completion_tokens, 0
                     turn.new_round()
                     parser = model.new_parser()
                     for proc in sampling.logits_processors:  # e.g. forced replay moves to its next piece
@@ -460,8 +490,18 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                     if server and not turn.client_calls():
                         for call in server:  # calls that ended with the stream (no pause marker)
                             yield await _result(call, metrics)
+        if finish_reason in ("stop", "tool_calls"):  # a segment that ended by itself, not cut by a limit
+            lengths.observe(app, segment_start, segment_tokens)
+        if finish_reason == "tool_calls" and store is not None and turn.client_calls():
+            # the client runs the tools and comes back with the whole conversation: keep the context
+            entry = store.retain(owner, ctx, await engine.context_tokens(ctx), turn.client_calls()[0].name,
+                                 prompt_len=len(plan.prompt_ids))
+            retained = entry is not None
+            if entry is not None:
+                await store.park(entry)
         yield Finish(finish_reason, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                     "total_tokens": prompt_tokens + completion_tokens})
+                                     "total_tokens": prompt_tokens + completion_tokens,
+                                     "prompt_tokens_details": {"cached_tokens": cached}})
     finally:
         # Runs on success, error and client disconnect alike.  Nothing here
         # awaits: a cancelled request's cleanup must not be cancelled too.
@@ -471,7 +511,17 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                     call.task.cancel()  # a running tool: the runtime kills and replaces its worker
                 else:
                     call.events.put_nowait(("abandon",))  # the driver cancels the call and returns
-        engine.free_context_nowait(ctx)
+        if ctx is not None and not retained:
+            engine.free_context_nowait(ctx)
+
+
+def _hint_pause(engine: Any, ctx: Any, tool: str, durations: Any) -> None:
+    """Tell the engine which tool the coming pause waits for and how long it
+    is expected to take (the engine pauses by itself at the call's end marker,
+    before the gateway could say so; it learns the actual time itself)."""
+    set_hint = getattr(engine, "set_pause_hint", None)  # TODO(#8): requested from the engine
+    if set_hint is not None:
+        set_hint(ctx, PauseHint(tool=tool, expected_duration_s=durations.estimate(tool)))
 
 
 def fit_results(tokenizer: Any, fmt: Any, texts: List[str],

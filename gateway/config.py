@@ -21,17 +21,42 @@ from typing import Any, Dict, Iterable, List, Union
 import jsonschema
 import yaml
 
+from ..engine_ext.policies import INTERCEPTION_NAMES, RANKING_NAMES
+
 ENV_PREFIX = "os.environ/"
 
 #: Which server-side tools a caller may use: none (false), all enabled ones (true) or those named.
 SERVER_TOOLS_SCHEMA = {"oneOf": [{"type": "boolean"},
                                  {"type": "array", "items": {"type": "string", "minLength": 1}}]}
 
+#: Scheduling and KV-memory policy (issue #8): the top-level ``engine:`` section gives the
+#: defaults of every model, and a model may override any of these keys itself.
+POLICY_PROPERTIES = {
+    "interception": {"enum": list(INTERCEPTION_NAMES),
+                     "description": "what a context waiting for a tool keeps: infercept = least waste"},
+    "ranking": {"enum": list(RANKING_NAMES), "description": "which waiting request runs first: lamps"},
+    "starvation_threshold": {"type": "integer", "minimum": 1},
+    "refresh_interval": {"type": "integer", "minimum": 1},
+    "profile": {"type": "string", "minLength": 1,
+                "description": "'auto' (measured at start-up, cached), a profile JSON file or a built-in name"},
+    "swap_space_tokens": {"type": "integer", "minimum": 0, "description": "host swap pool (default: the KV cache)"},
+    "prefix_caching": {"type": "boolean"},
+    "retention": {
+        "type": "object", "additionalProperties": False,
+        "description": "keep a chat's context across client-side tool calls for the follow-up request",
+        "properties": {"enabled": {"type": "boolean"},
+                       "max_contexts": {"type": "integer", "minimum": 0},
+                       "max_tokens": {"type": "integer", "minimum": 0,
+                                      "description": "tokens retained at most (default: half the KV cache)"},
+                       "ttl_s": {"type": "number", "exclusiveMinimum": 0}}},
+}
+
 MODEL_SCHEMA = {
     "type": "object",
     "additionalProperties": False,
     "required": ["path"],
     "properties": {
+        **POLICY_PROPERTIES,
         "engine": {"enum": ["native"], "description": "which engine serves the model"},
         "path": {"type": "string", "minLength": 1,
                  "description": "'embedded', a Hugging Face model directory or a .gguf file"},
@@ -91,6 +116,8 @@ SCHEMA = {
         },
         "tools": {"type": "object", "additionalProperties": {"type": "object"},
                   "description": "settings per tool name, passed to Tool.configure"},
+        "engine": {"type": "object", "additionalProperties": False, "properties": POLICY_PROPERTIES,
+                   "description": "scheduling policy defaults of every model"},
     },
 }
 
@@ -103,10 +130,38 @@ DEFAULTS = {
 }
 MODEL_DEFAULTS = {"engine": "native", "parser": "hermes", "dtype": "auto", "block_size": 16,
                   "kv_cache_tokens": 16384, "max_batched_tokens": 512, "max_seqs": 256}
+#: The papers' defaults (InferCept's min-waste handling, LAMPS' ranking with its threshold of 100).
+POLICY_DEFAULTS = {"interception": "infercept", "ranking": "lamps", "starvation_threshold": 100,
+                   "refresh_interval": 1, "profile": "auto", "prefix_caching": True}
+RETENTION_DEFAULTS = {"enabled": True, "max_contexts": 64, "ttl_s": 600.0}
 
 
 class ConfigError(ValueError):
     """The configuration file is missing, unreadable or invalid."""
+
+
+@dataclass(frozen=True)
+class RetentionSpec:
+    """Client-side tool calls: how many finished chat contexts are kept for their follow-ups."""
+
+    enabled: bool = True
+    max_contexts: int = 64
+    max_tokens: int = 8192
+    ttl_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One model's scheduling policy (names resolved by ``engine_ext.policies``)."""
+
+    interception: str = "infercept"
+    ranking: str = "lamps"
+    starvation_threshold: int = 100
+    refresh_interval: int = 1
+    profile: str = "auto"          # "auto", a built-in profile name or a profile file
+    swap_space_tokens: int = 16384
+    prefix_caching: bool = True
+    retention: RetentionSpec = field(default_factory=RetentionSpec)
 
 
 @dataclass
@@ -116,6 +171,7 @@ class ModelSpec:
     path: str
     parser: str
     engine_args: Dict[str, Any]
+    policy: PolicySpec = field(default_factory=PolicySpec)
 
 
 #: A caller's server-tool permission: False (none), True (every enabled tool) or the tool names allowed.
@@ -216,10 +272,13 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
     server = {**DEFAULTS["server"], **data.get("server", {})}
     plugins = {**DEFAULTS["plugins"], **data.get("plugins", {})}
     models = {}
+    defaults = data.get("engine") or {}
     for name, m in data["models"].items():
         m = {**MODEL_DEFAULTS, **m}
-        engine_args = {k: v for k, v in m.items() if k not in ("engine", "path", "parser")}
-        models[name] = ModelSpec(name, m["engine"], m["path"], m["parser"], engine_args)
+        engine_args = {k: v for k, v in m.items() if k not in ("engine", "path", "parser", *POLICY_PROPERTIES)}
+        own = {k: v for k, v in m.items() if k in POLICY_PROPERTIES}
+        policy = _policy(defaults, own, m["kv_cache_tokens"], f"models.{name}", source)
+        models[name] = ModelSpec(name, m["engine"], m["path"], m["parser"], engine_args, policy)
     return GatewayConfig(host=server["host"], port=server["port"], api_keys=_api_keys(server, source),
                          server_tools=server["server_tools"], replay=server["replay"],
                          cors_origins=list(server["cors_origins"]),
@@ -228,6 +287,29 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                          models=models, plugin_entrypoints=plugins["entrypoints"],
                          plugin_modules=list(plugins["modules"]), tools=dict(data.get("tools") or {}),
                          source=source, raw=data)
+
+
+def _policy(defaults: Dict[str, Any], own: Dict[str, Any], kv_cache_tokens: int, where: str,
+            source: str) -> PolicySpec:
+    """A model's policy: its own keys over the ``engine:`` section's over the defaults.
+    A profile file is read now, so a bad one stops start-up with its name."""
+    p = {**POLICY_DEFAULTS, **defaults, **own}
+    retention = {**RETENTION_DEFAULTS, "max_tokens": kv_cache_tokens // 2, **(defaults.get("retention") or {}),
+                 **(own.get("retention") or {})}
+    if p["profile"] != "auto":
+        from ..engine_ext.policies import Profile, ProfileError
+
+        try:
+            Profile.load(p["profile"])
+        except ProfileError as e:
+            where = f"{where}.profile" if "profile" in own else "engine.profile"
+            raise ConfigError(f"{source}: {where}: {e}") from None
+    return PolicySpec(interception=p["interception"], ranking=p["ranking"],
+                      starvation_threshold=p["starvation_threshold"], refresh_interval=p["refresh_interval"],
+                      profile=p["profile"], swap_space_tokens=p.get("swap_space_tokens", kv_cache_tokens),
+                      prefix_caching=p["prefix_caching"],
+                      retention=RetentionSpec(enabled=retention["enabled"], max_contexts=retention["max_contexts"],
+                                              max_tokens=retention["max_tokens"], ttl_s=float(retention["ttl_s"])))
 
 
 def load_config(path: str | os.PathLike) -> GatewayConfig:

@@ -3,7 +3,7 @@ in one process -- tests -- do not collide)."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Any, Callable, Dict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
@@ -26,6 +26,20 @@ class Metrics:
                                       ["tool"], buckets=LATENCY_BUCKETS, registry=r)
         self.kv_blocks = Gauge("interlace_kv_blocks_in_use", "KV cache blocks in use", ["model"], registry=r)
         self.kv_blocks_total = Gauge("interlace_kv_blocks_total", "KV cache blocks", ["model"], registry=r)
+        # client-side tool calls: contexts retained for the follow-up request (gateway/retention.py)
+        self.retention_hits = Counter("interlace_retention_hits", "Requests that adopted a retained context",
+                                      ["model"], registry=r)
+        self.retention_misses = Counter("interlace_retention_misses", "Requests with no retained context to adopt",
+                                        ["model"], registry=r)
+        self.retention_saved_tokens = Counter(
+            "interlace_retention_prefill_tokens_saved", "Prompt tokens not prefilled again thanks to retention",
+            ["model"], registry=r)
+        self.retention_evictions = Counter("interlace_retention_evictions", "Retained contexts freed unused",
+                                           ["model", "reason"], registry=r)
+        self.retention_contexts = Gauge("interlace_retention_contexts", "Contexts retained now", ["model"],
+                                        registry=r)
+        self.retention_tokens = Gauge("interlace_retention_tokens", "Tokens of the contexts retained now",
+                                      ["model"], registry=r)
 
     def watch_engine(self, model: str, used: Callable[[], int], total: int) -> None:
         self.kv_blocks.labels(model).set_function(used)
@@ -34,13 +48,27 @@ class Metrics:
     def request(self, endpoint: str, model: str, status: int) -> None:
         self.requests.labels(endpoint, model, str(status)).inc()
 
-    def usage(self, model: str, usage: Dict[str, int]) -> None:
+    def usage(self, model: str, usage: Dict[str, Any]) -> None:
         self.tokens.labels(model, "prompt").inc(usage.get("prompt_tokens", 0))
         self.tokens.labels(model, "completion").inc(usage.get("completion_tokens", 0))
+        self.tokens.labels(model, "cached").inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
     def tool_call(self, tool: str, ok: bool, seconds: float) -> None:
         self.tool_calls.labels(tool, "ok" if ok else "error").inc()
         self.tool_latency.labels(tool).observe(max(0.0, seconds))
+
+    def retention_lookup(self, model: str, hit: bool) -> None:
+        (self.retention_hits if hit else self.retention_misses).labels(model).inc()
+
+    def retention_saved(self, model: str, tokens: int) -> None:
+        self.retention_saved_tokens.labels(model).inc(max(0, tokens))
+
+    def retention_evicted(self, model: str, reason: str) -> None:
+        self.retention_evictions.labels(model, reason).inc()
+
+    def retention_held(self, model: str, contexts: int, tokens: int) -> None:
+        self.retention_contexts.labels(model).set(contexts)
+        self.retention_tokens.labels(model).set(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

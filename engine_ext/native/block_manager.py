@@ -72,9 +72,12 @@ class BlockTable:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, hash_key: Optional[bytes] = None):
+    def __init__(self, num_blocks: int, block_size: int, hash_key: Optional[bytes] = None,
+                 prefix_caching: bool = True):
         """``hash_key`` keys the prefix-cache digests; a fresh random one by
-        default (tests pass their own)."""
+        default (tests pass their own).  ``prefix_caching=False`` never seals
+        or matches a block (vLLM as InferCept and LAMPS measured it)."""
+        self.prefix_caching = prefix_caching
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -132,14 +135,17 @@ class BlockManager:
 
     # ------------------------------------------------------- table operations
     def release(self, table: BlockTable) -> None:
-        """Drop a table's references (the context is freed or preempted)."""
+        """Drop a table's references (the context is freed or preempted).
+        Entries swapped out to the host (negative) hold no device block."""
         for bid in reversed(table.blocks):  # tail blocks are evicted first
-            self.decref(bid)
+            if bid >= 0:
+                self.decref(bid)
         table.blocks.clear()
         table.hashes.clear()
 
     def fork(self, table: BlockTable) -> BlockTable:
-        """A child's table shares every block of the parent's."""
+        """A child's table shares every block of the parent's (all on the device)."""
+        assert all(b >= 0 for b in table.blocks), "fork of a table with swapped-out blocks"
         for bid in table.blocks:
             self.incref(bid)
         return table.copy()
@@ -152,6 +158,8 @@ class BlockManager:
         last position's logits from a forward pass.
         """
         assert not table.blocks
+        if not self.prefix_caching:
+            return 0
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         parent: Optional[bytes] = None
@@ -201,6 +209,8 @@ class BlockManager:
     def seal_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Register every full, computed block not yet hashed, so later
         contexts with the same prefix can reuse it."""
+        if not self.prefix_caching:
+            return
         bs = self.block_size
         while len(table.hashes) < num_computed // bs:
             i = len(table.hashes)
@@ -225,7 +235,8 @@ class BlockManager:
         for t in tables:
             assert len(t.hashes) <= len(t.blocks)
             for bid in t.blocks:
-                refs[bid] += 1
+                if bid >= 0:  # negative: swapped out to the host pool
+                    refs[bid] += 1
         for blk in self.blocks:
             assert blk.ref_count == refs[blk.id], (
                 f"block {blk.id}: ref_count {blk.ref_count} but {refs[blk.id]} table references")

@@ -14,6 +14,17 @@ aborted (even before its first token); a cancelled ``fill`` is undone, so
 its caller may retry it.  After :meth:`NativeEngine.close`, every call (and
 every call still waiting) raises :class:`~interlace.engine_ext.errors.EngineClosed`;
 a failed step fails every stream and fill it could have touched.
+
+Interception (InferCept): a paused context, or an idle one *parked* for a
+client's follow-up, is handed to the interception policy before the next
+step's scheduling, and every step after while it is preserved (the dynamic
+estimate t_now - t_call may change the answer): preserve keeps its blocks,
+discard releases them (full ones stay in the prefix cache) and recomputes on
+resume -- in chunks under S mixed with decodes if the policy says so --, swap
+moves its exclusive blocks to a host pool (``swap.py``), a budget per step.
+A resumed (or un-parked) swapped context is scheduled again only once all
+its blocks are back.  Ranking policies order the work; the engine keeps each
+context's ``sched`` current and learns tool durations from pause to resume.
 """
 
 from __future__ import annotations
@@ -31,16 +42,18 @@ from typing import Any, AsyncIterator, Callable, Dict, Hashable, List, Optional,
 import torch
 
 from .. import errors as E
-from ..policies.interception import Preserve, Handling, InterceptedContext, InterceptionPolicy
-from ..policies.ranking import FCFS, RankingPolicy
-from ..protocol import PauseHint, SamplingParams, TokenEvent
+from ..policies.costmodel import Profile
+from ..policies.interception import BatchState, Handling, InterceptedContext, InterceptionPolicy, Preserve
+from ..policies.ranking import FCFS, RankingPolicy, RankState
+from ..protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
 from .block_manager import BlockManager
 from .loader import load_config, load_model, resolve_model_dir
 from .model_runner import ModelRunner
 from .models.llama import LlamaForCausalLM
 from .sampler import sample
 from .scheduler import Batch, Scheduler
-from .sequence import Context, FillOp, Generation, State
+from .sequence import Context, FillOp, Generation, Interception, State
+from .swap import SWAPPED, Swapper
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -116,7 +129,16 @@ class NativeEngine:
                  max_batched_tokens: int = 512, max_seqs: int = 256, max_model_len: Optional[int] = None,
                  kv_dtype: Optional[torch.dtype] = None, interception: Optional[InterceptionPolicy] = None,
                  ranking: Optional[RankingPolicy] = None, eos_token_ids: Sequence[int] = (),
-                 name: str = "model"):
+                 name: str = "model", profile: Optional[Profile] = None, host_pool_tokens: Optional[int] = None,
+                 prefix_caching: bool = True):
+        """``profile`` is the cost model for the swap budget and recomputation
+        chunks (else the interception policy's own, else none: swaps move the
+        whole context at once and recomputation is not chunked).
+        ``host_pool_tokens``: the host swap pool (default: as large as the
+        KV cache; 0: no swapping, swaps fall back to discard).
+        ``prefix_caching=False``: no automatic prefix caching."""
+        if host_pool_tokens is not None and (not isinstance(host_pool_tokens, int) or host_pool_tokens < 0):
+            raise ValueError(f"host_pool_tokens must be a non-negative integer, got {host_pool_tokens!r}")
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = tokenizer
@@ -127,20 +149,32 @@ class NativeEngine:
         self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, num_blocks * block_size)
         self.vocab_size = self.cfg.vocab_size
         self.eos_token_ids = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.blocks, ranking or FCFS(), max_batched_tokens, max_seqs,
-                                   inactive=self._inactive_contexts)
+                                   inactive=self._inactive_contexts, release=self._release_kv)
+        self.scheduler.rank_state = self._rank_state
+        host_blocks = (num_blocks * block_size if host_pool_tokens is None else host_pool_tokens) // block_size
+        self.swap: Optional[Swapper] = None  # allocated by the engine thread, beside the KV cache
         self.runner: Optional[ModelRunner] = None  # allocated by the engine thread (see _loop)
         runner_args = (model, num_blocks, block_size, kv_dtype or next(model.parameters()).dtype, self.device)
         self.interception = interception or Preserve()
+        self.profile = profile
+        self._configure_policies()
         self.contexts: Dict[Hashable, Context] = {}
+        self.intercepted: Dict[Hashable, Context] = {}  # paused or parked contexts, by id
         self.ready: List[Context] = []  # generating, all computed: sample from last_logits next step
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0,
+                      "swap_out_blocks": 0, "swap_in_blocks": 0, "recomputed_tokens": 0, "kv_waste_token_s": 0.0,
+                      "handlings": {h.value: 0 for h in Handling}, "host_used_blocks": 0}
+        self.iteration_s = 0.0  # a recent forward pass's seconds (moving average), for the ranking
+        self.swap_trace: Optional[List[tuple]] = None  # set to a list: (step, out, in, limit) per step that swapped
+        self._held_tokens = 0   # device KV tokens held by intercepted contexts, since _waste_at
+        self._waste_at = time.monotonic()
         self._cmds: "queue.SimpleQueue" = queue.SimpleQueue()
         self._closed = False   # close() was called: no new commands
         self._stopped = False  # the engine thread has finished: nothing will run a queued command
         started: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._loop, args=(runner_args, started), name="interlace-engine",
+        self._thread = threading.Thread(target=self._loop, args=(runner_args, host_blocks, started), name="interlace-engine",
                                         daemon=True)
         self._thread.start()
         started.result()  # the KV cache allocation's error (out of memory), if any
@@ -180,7 +214,10 @@ class NativeEngine:
             raise
 
     async def generate(self, context_id: Hashable, sampling: Optional[SamplingParams] = None,
-                       parent_context_id: Optional[Hashable] = None) -> AsyncIterator[TokenEvent]:
+                       parent_context_id: Optional[Hashable] = None,
+                       hint: Optional[RequestHint] = None) -> AsyncIterator[TokenEvent]:
+        """``hint`` seeds the ranking's view of the request (LAMPS: expected
+        output and tool call)."""
         sampling = sampling or SamplingParams()
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -192,7 +229,7 @@ class NativeEngine:
                 pass
 
         try:
-            await self._call(self._cmd_generate, context_id, sampling, parent_context_id, emit)
+            await self._call(self._cmd_generate, context_id, sampling, parent_context_id, emit, hint)
         except asyncio.CancelledError:  # the command may have run: stop what it started
             self._post(lambda: self._abort(context_id, emit))
             raise
@@ -226,6 +263,45 @@ class NativeEngine:
 
     async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
         await self._call(self._cmd_resume, context_id, list(token_ids))
+
+    async def park(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
+        """Put an idle context under the interception policy as if a tool
+        call had intercepted it (a client-side tool call: the follow-up
+        request will extend it).  Any later fill / generate / free / fork
+        of (or from) it un-parks it: swapped KV comes back, discarded KV is
+        recomputed, transparently.  Parking a parked context updates its hint."""
+        await self._call(self._cmd_park, context_id, hint)
+
+    async def computed_tokens(self, context_id: Hashable) -> int:
+        """Tokens of the context whose KV is on the device or in the host
+        pool: what a follow-up would not recompute."""
+        return await self._call(lambda fut: fut.set_result(self._get(context_id).num_computed))
+
+    def set_policies(self, *, interception: Optional[InterceptionPolicy] = None,
+                     ranking: Optional[RankingPolicy] = None, profile: Optional[Profile] = None) -> None:
+        """Replace the policies (those given) on the engine thread; blocks
+        until done.  For start-up, when the profile is measured on the engine."""
+        def apply(fut):
+            if interception is not None:
+                self.interception = interception
+            if ranking is not None:
+                self.scheduler.ranking = ranking
+            if profile is not None:
+                self.profile = profile
+            self._configure_policies()
+            fut.set_result(None)
+        self.call_sync(apply)
+
+    def call_sync(self, fn: Callable[[concurrent.futures.Future], Any]) -> Any:
+        """Run ``fn(future)`` on the engine thread and wait for the result
+        (synchronous callers: start-up, the profiler).  Not from the engine thread."""
+        if self._closed:
+            raise E.EngineClosed("the engine is closed")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((fn, fut))
+        if self._stopped:
+            self._fail_queued()
+        return fut.result()
 
     async def check_invariants(self) -> dict:
         """Verify block and context bookkeeping; returns usage counts."""
@@ -286,10 +362,11 @@ class NativeEngine:
             if item and item[1] is not None and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(E.EngineClosed("the engine is closed"))
 
-    def _loop(self, runner_args: tuple, started: concurrent.futures.Future) -> None:
+    def _loop(self, runner_args: tuple, host_blocks: int, started: concurrent.futures.Future) -> None:
         torch.set_grad_enabled(False)
         try:
             self.runner = ModelRunner(*runner_args)
+            self.swap = Swapper(self.blocks, self.runner.kv, host_blocks)
         except BaseException as e:
             started.set_exception(e)
             return
@@ -301,9 +378,13 @@ class NativeEngine:
 
     def _serve(self) -> None:
         while True:
-            busy = self.scheduler.has_work() or bool(self.ready)
+            self._account_waste()
+            busy = (self.scheduler.has_work() or bool(self.ready) or self.swap.busy
+                    or any(c.intercept.handling is None for c in self.intercepted.values()))
+            # preserved contexts are reconsidered as their calls age, even with nothing else to do
+            reconsider = any(c.intercept.handling is Handling.PRESERVE for c in self.intercepted.values())
             try:
-                item = self._cmds.get(block=not busy)
+                item = self._cmds.get(block=not busy, timeout=0.05 if reconsider and not busy else None)
             except queue.Empty:
                 item = ()
             while item != ():
@@ -323,6 +404,7 @@ class NativeEngine:
                 except queue.Empty:
                     item = ()
             try:
+                self._account_waste()
                 self._step()
             except Exception as e:  # a bug must not kill the engine silently
                 log.exception("engine step failed")
@@ -377,8 +459,19 @@ class NativeEngine:
         return self._get(parent_id) if parent_id is not None else None
 
     def _fork(self, cid: Hashable, parent: Context) -> Context:
-        child = Context(cid, list(parent.token_ids), self.blocks.fork(parent.table), parent.num_computed,
-                        parent=parent, last_logits=parent.last_logits)
+        """The child shares the parent's device blocks.  If part of the
+        parent's KV is in the host pool, the child shares the leading
+        device-resident blocks and recomputes the rest."""
+        self._unpark(parent)
+        if parent.on_host:
+            self.swap.land()  # no block mid-copy is shared
+        blocks = parent.table.blocks
+        k = blocks.index(SWAPPED) if SWAPPED in blocks else len(blocks)
+        shared = type(parent.table)(blocks[:k], parent.table.hashes[:k])
+        computed = min(parent.num_computed, k * self.block_size)
+        child = Context(cid, list(parent.token_ids), self.blocks.fork(shared), computed, parent=parent,
+                        last_logits=parent.last_logits if computed == parent.num_computed else None)
+        child.recompute_end = parent.num_computed if computed < parent.num_computed else 0
         parent.children.add(child)
         self.contexts[cid] = child
         return child
@@ -398,6 +491,7 @@ class NativeEngine:
                 raise E.ContextBusy(f"context {cid!r} is {ctx.state.value}; fill it when idle (or resume it)")
             self._check_tokens(tokens, allow_empty=True)
             self._check_len(len(ctx.token_ids) + len(tokens))
+            self._unpark(ctx)
         op.fut, op.ctx, op.created, op.rollback = fut, ctx, created, len(ctx.token_ids)
         ctx.token_ids += tokens
         op.end = len(ctx.token_ids)
@@ -449,8 +543,13 @@ class NativeEngine:
         if not ctx.num_uncomputed:
             self.scheduler.remove(ctx)
 
-    def _cmd_generate(self, fut, cid, sampling: SamplingParams, parent_id, emit) -> None:
+    def _cmd_generate(self, fut, cid, sampling: SamplingParams, parent_id, emit,
+                      hint: Optional[RequestHint] = None) -> None:
         sampling.validate()
+        if hint is not None:
+            if not isinstance(hint, RequestHint):
+                raise E.InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
+            hint.validate()
         if (sampling.stop or sampling.pause_on) and self.tokenizer is None:
             raise E.InvalidSampling("stop and pause_on strings need an engine with a tokenizer")
         if parent_id is not None:
@@ -469,6 +568,12 @@ class NativeEngine:
                                    f"(limit {self.max_model_len})")
         if ctx is None:
             ctx = self._fork(cid, parent)
+        self._unpark(ctx)
+        s = ctx.sched
+        s.segment_generated, s.score, s.predicted_handling = 0, None, None
+        if hint is not None:
+            s.expected_output, s.expected_tool, s.expected_tool_s = (
+                hint.expected_output, hint.expected_tool, hint.expected_tool_s)
         ctx.last_fill = None  # generated tokens build on the last fill: it stays
         rng = None
         if not sampling.greedy:
@@ -505,7 +610,9 @@ class NativeEngine:
 
     def _drop(self, ctx: Context) -> None:
         self.scheduler.remove(ctx)
-        self.blocks.release(ctx.table)
+        self.intercepted.pop(ctx.id, None)
+        ctx.intercept = None
+        self._release_kv(ctx)
         if ctx.parent is not None:
             ctx.parent.children.discard(ctx)
         del self.contexts[ctx.id]
@@ -524,17 +631,10 @@ class NativeEngine:
         fut.set_result(None)
 
     def _pause(self, ctx: Context, hint: Optional[PauseHint], token_event: Optional[TokenEvent] = None) -> None:
-        hint = hint or PauseHint()
-        handling = self.interception.decide(InterceptedContext(
-            context_len=len(ctx.token_ids), num_blocks=len(ctx.table.blocks),
-            expected_duration_s=hint.expected_duration_s, tool=hint.tool))
         self.scheduler.remove(ctx)
         if ctx in self.ready:
             self.ready.remove(ctx)
-        if handling is Handling.DISCARD:
-            self.scheduler.preempt(ctx)  # blocks released; full ones stay in the prefix cache
-        elif handling is Handling.SWAP:
-            log.warning("the native engine does not swap yet; preserving context %r", ctx.id)
+        self._intercept(ctx, hint or PauseHint(), parked=False)
         gen = ctx.gen
         gen.paused = True
         ev = token_event or TokenEvent(None, "")
@@ -548,6 +648,7 @@ class NativeEngine:
             raise E.InvalidContextState(f"context {cid!r} is {ctx.state.value}, not paused")
         self._check_tokens(tokens, allow_empty=True)
         self._check_len(len(ctx.token_ids) + len(tokens) + 1)
+        self._end_interception(ctx)
         ctx.token_ids += tokens
         if tokens:
             ctx.last_logits = None
@@ -566,26 +667,185 @@ class NativeEngine:
             assert c.num_computed <= len(c.token_ids)
             assert len(c.table.blocks) >= self.blocks.blocks_for(c.num_computed)
             assert all(ch.parent is c and ch.id in self.contexts for ch in c.children)
+            assert (c.intercept is not None) == (self.intercepted.get(c.id) is c), f"{c.id!r}: interception books"
+            assert c.intercept is None or c.intercept.parked or c.state is State.PAUSED
+        assert all(self.contexts.get(i) is c for i, c in self.intercepted.items())
+        self.swap.check(list(self.contexts.values()))
         fut.set_result({"contexts": len(self.contexts), "used_blocks": self.blocks.num_used,
                         "free_blocks": self.blocks.num_free, "cached_blocks": len(self.blocks.evictable),
-                        "preemptions": self.scheduler.num_preemptions, **self.blocks.stats})
+                        "preemptions": self.scheduler.num_preemptions, "host_used_blocks": self.swap.pool.num_used,
+                        "host_free_blocks": len(self.swap.pool.free), "intercepted": len(self.intercepted),
+                        **self.blocks.stats})
+
+    # ------------------------------------------------------------ interception
+    def _cmd_park(self, fut, cid, hint: Optional[PauseHint]) -> None:
+        ctx = self._get(cid)
+        if hint is not None and not isinstance(hint, PauseHint):
+            raise E.InvalidContextState(f"hint must be a PauseHint, got {type(hint).__name__}")
+        if ctx.state is not State.IDLE or ctx.fill_waiters or ctx in self.scheduler.active:
+            raise E.ContextBusy(f"context {cid!r} is busy ({ctx.state.value}); park only idle contexts")
+        if ctx.intercept is not None:
+            ctx.intercept.hint = hint or PauseHint()
+        else:
+            self._intercept(ctx, hint or PauseHint(), parked=True)
+        fut.set_result(None)
+
+    def _intercept(self, ctx: Context, hint: PauseHint, parked: bool) -> None:
+        """``ctx`` waits for a tool (or a client): the next step plans its handling."""
+        ctx.intercept = Interception(hint, time.monotonic(), parked=parked)
+        self.intercepted[ctx.id] = ctx
+        on_interception = getattr(self.scheduler.ranking, "on_interception", None)
+        if on_interception is not None:
+            on_interception(ctx)
+        ctx.sched.segment_generated = 0
+
+    def _end_interception(self, ctx: Context) -> None:
+        """The call returned (resume, or a follow-up on a parked context):
+        learn its duration, fix the arrival time, bring swapped KV back."""
+        rec = ctx.intercept
+        if rec is None:
+            return
+        ctx.intercept = None
+        self.intercepted.pop(ctx.id, None)
+        now = time.monotonic()
+        self.interception.durations.observe(rec.hint.tool, now - rec.call_time)
+        if not self.interception.keeps_arrival:
+            ctx.arrival = now  # re-queued as a new request (vLLM)
+        if ctx.on_host:
+            self.swap.swap_in(ctx)  # the scheduler skips it until every block is back
+
+    def _unpark(self, ctx: Context) -> None:
+        if ctx.intercept is not None and ctx.intercept.parked:
+            self._end_interception(ctx)
+
+    def _release_kv(self, ctx: Context) -> None:
+        """Drop a context's KV, on the device and in the host pool (it keeps
+        its tokens: what was computed is recomputed when next needed)."""
+        self.swap.forget(ctx)
+        ctx.recompute_end = min(len(ctx.token_ids), max(ctx.recompute_end, ctx.num_computed))
+        self.blocks.release(ctx.table)
+
+    def _device_tokens(self, ctx: Context) -> int:
+        on_dev = sum(b >= 0 for b in ctx.table.blocks)
+        return min(ctx.num_computed, on_dev * self.block_size)
+
+    def _account_waste(self) -> None:
+        """Token-seconds of device KV held by intercepted contexts (the
+        holdings only change on this thread, between two calls)."""
+        now = time.monotonic()
+        self.stats["kv_waste_token_s"] += (now - self._waste_at) * self._held_tokens
+        self._waste_at = now
+        self._held_tokens = sum(self._device_tokens(c) for c in self.intercepted.values())
+
+    def _profile(self) -> Optional[Profile]:
+        return self.profile if self.profile is not None else getattr(self.interception, "profile", None)
+
+    def _configure_policies(self) -> None:
+        prof = self._profile()
+        chunked = self.interception.chunked_recompute and prof is not None
+        self.scheduler.recompute_chunk = prof.recompute_chunk if chunked else None
+
+    def _rank_state(self) -> RankState:
+        return RankState(iteration=self.stats["steps"], iteration_s=self.iteration_s or 1.0,
+                         batch_context_tokens=sum(len(c.token_ids) for c in self.scheduler.active))
+
+    def _plan_interceptions(self) -> None:
+        """Ask the policy about contexts intercepted since the last step and
+        those still preserved, and apply its answers."""
+        cands = [c for c in self.intercepted.values() if c.intercept.handling in (None, Handling.PRESERVE)]
+        if not cands:
+            return
+        infos = []
+        for c in cands:
+            held = self._device_tokens(c)
+            if held == 0:  # nothing on the device (dropped for room, or never computed): nothing to decide
+                if c.intercept.handling is None:
+                    c.intercept.handling = Handling.DISCARD
+                continue
+            rec = c.intercept
+            infos.append(InterceptedContext(context_len=held, num_blocks=sum(b >= 0 for b in c.table.blocks),
+                                            expected_duration_s=rec.hint.expected_duration_s, tool=rec.hint.tool,
+                                            id=c.id, call_time=rec.call_time))
+        if not infos:
+            return
+        active = self.scheduler.active
+        decodes = sum(1 for c in active if c.num_uncomputed == 1 and c.num_computed)
+        batch = BatchState(context_tokens=sum(len(c.token_ids) for c in active), decode_tokens=decodes,
+                           batched_tokens=max(1, min(self.scheduler.max_batched_tokens,
+                                                     sum(c.num_uncomputed for c in active))),
+                           swap_backlog_tokens=self.swap.backlog_blocks * self.block_size)
+        plan = self.interception.plan(infos, batch, time.monotonic())
+        for info in infos:
+            self._apply_handling(self.contexts[info.id], plan.get(info.id, Handling.PRESERVE))
+
+    def _apply_handling(self, ctx: Context, h: Handling) -> None:
+        rec = ctx.intercept
+        if h is Handling.PRESERVE:
+            if rec.handling is None:
+                self.stats["handlings"]["preserve"] += 1
+            rec.handling = h
+            return
+        if h is Handling.SWAP and not self.swap.swap_out(ctx):
+            h = Handling.DISCARD  # the host pool is full
+        if h is Handling.DISCARD:
+            self.scheduler.preempt(ctx)  # blocks released; full ones stay in the prefix cache
+        rec.handling = h
+        self.stats["handlings"][h.value] += 1
+
+    def _issue_swaps(self, batch: Batch) -> None:
+        """Move what the swap budget allows behind this step's forward pass
+        (InferCept's N_i), or everything queued for an unbudgeted swap."""
+        if not self.swap.busy:
+            return
+        prof = self._profile()
+        limit = None
+        if self.interception.budgeted_swap and prof is not None:
+            ctx_tokens = sum(ch.start + ch.num for ch in batch.chunks)
+            it = prof.t_fwd(max(1, batch.num_tokens), ctx_tokens)
+            limit = max(1, prof.swap_limit_tokens(it) // self.block_size)  # at least one block: progress
+
+        def make_room() -> bool:
+            victim = self.scheduler._victim(None, [], set())
+            if victim is None:
+                return False
+            self.scheduler.preempt(victim)
+            return True
+
+        n_out, n_in, failed = self.swap.issue(limit, make_room)
+        for ctx in failed:  # no device block to come back to: recompute instead
+            self.scheduler.preempt(ctx)
+        self.stats["swap_out_blocks"] = self.swap.stats["swap_out_blocks"]
+        self.stats["swap_in_blocks"] = self.swap.stats["swap_in_blocks"]
+        if self.swap_trace is not None and (n_out or n_in):
+            self.swap_trace.append((self.stats["steps"], n_out, n_in, limit))
 
     # -------------------------------------------------------------------- step
     def _step(self) -> None:
+        if self.swap.inflight:
+            self.swap.land()
+        self._plan_interceptions()
         if self.ready:
             ready, self.ready = self.ready, []
             self._sample_and_emit(ready, torch.stack([c.last_logits for c in ready]))
         batch = self.scheduler.schedule()
         for ctx, err in batch.failed:
             self._fail(ctx, err)
+        self._issue_swaps(batch)
+        self.stats["host_used_blocks"] = self.swap.pool.num_used
         if not batch.chunks:
             return
         t0 = time.perf_counter()
         logits, rows = self.runner.run(batch)
-        self.stats["forward_s"] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats["forward_s"] += dt
+        self.iteration_s = dt if not self.iteration_s else 0.8 * self.iteration_s + 0.2 * dt
         self.stats["steps"] += 1
         for ch in batch.chunks:
             ctx = ch.ctx
+            if ch.start < ctx.recompute_end:
+                self.stats["recomputed_tokens"] += min(ch.start + ch.num, ctx.recompute_end) - ch.start
+                if ch.start + ch.num >= ctx.recompute_end:
+                    ctx.recompute_end = 0
             ctx.num_computed += ch.num
             self.blocks.seal_full_blocks(ctx.table, ctx.token_ids, ctx.num_computed)
             self.stats["decode_tokens" if ch.num == 1 and ch.start > 0 else "prefill_tokens"] += ch.num
@@ -614,6 +874,7 @@ class NativeEngine:
             gen = ctx.gen
             ctx.token_ids.append(tok)
             gen.generated.append(tok)
+            ctx.sched.segment_generated += 1
             ctx.last_logits = None
             self._on_token(ctx, tok, lp)
 

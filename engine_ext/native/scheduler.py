@@ -12,6 +12,12 @@ blocks are all shared with contexts that keep theirs (dropping it would free
 nothing).  A dropped context keeps its tokens and is recomputed when next
 used; its full blocks stay in the prefix cache until evicted, so that is
 often cheap.
+
+Contexts with KV in (or moving to or from) the host pool are skipped until
+their swap-in is complete.  A context recomputing KV it had before (a
+discarded interception) gets prefill chunks of at most ``recompute_chunk``
+tokens when the engine sets it (InferCept's chunked recomputation under the
+saturation point S, mixed with the decodes).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 from ..errors import KVCacheExhausted
-from ..policies.ranking import FCFS, RankingPolicy
+from ..policies.ranking import FCFS, RankingPolicy, RankState
 from .block_manager import BlockManager, OutOfBlocks
 from .sequence import Context
 
@@ -51,8 +57,12 @@ class Batch:
 class Scheduler:
     def __init__(self, blocks: BlockManager, ranking: RankingPolicy | None = None,
                  max_batched_tokens: int = 512, max_seqs: int = 256,
-                 inactive: Callable[[], Iterable[Context]] = lambda: ()):
+                 inactive: Callable[[], Iterable[Context]] = lambda: (),
+                 release: Optional[Callable[[Context], None]] = None):
         self.blocks = blocks
+        self.release = release or (lambda ctx: blocks.release(ctx.table))  # drop a context's KV (device and host)
+        self.recompute_chunk: Optional[Callable[[int], int]] = None  # decodes -> max recomputation chunk
+        self.rank_state: Callable[[], RankState] = RankState
         self.inactive = inactive  # idle and paused contexts, in the order their KV may be dropped
         self.ranking = ranking or FCFS()
         self.max_batched_tokens = max_batched_tokens
@@ -72,7 +82,7 @@ class Scheduler:
         return any(c.num_uncomputed > 0 for c in self.active)
 
     def preempt(self, ctx: Context) -> None:
-        self.blocks.release(ctx.table)
+        self.release(ctx)
         ctx.num_computed = 0
         ctx.last_logits = None
         self.num_preemptions += 1
@@ -82,12 +92,17 @@ class Scheduler:
         budget = self.max_batched_tokens
         decodes, prefills = [], []
         for c in self.active:
+            c.sched.context_len = len(c.token_ids)
+            if c.on_host:
+                continue
             n = c.num_uncomputed
             if n == 1 and c.num_computed:
                 decodes.append(c)
             elif n:
                 prefills.append(c)
-        order = self.ranking.order(decodes) + self.ranking.order(prefills)
+        state = self.rank_state()
+        order = self.ranking.order(decodes, state) + self.ranking.order(prefills, state)
+        chunk = self.recompute_chunk(len(decodes)) if self.recompute_chunk is not None else None
         scheduled: set = set()
         for ctx in order:
             if budget == 0 or len(batch.chunks) >= self.max_seqs:
@@ -98,6 +113,8 @@ class Scheduler:
                 ctx.num_computed = self.blocks.match_prefix(ctx.table, ctx.token_ids)
             n = min(ctx.num_uncomputed, budget)
             start = ctx.num_computed
+            if chunk is not None and start < ctx.recompute_end:
+                n = min(n, max(1, chunk))
             while True:
                 try:
                     batch.copies += self.blocks.prepare_append(ctx.table, start, start + n)
@@ -118,6 +135,7 @@ class Scheduler:
             batch.chunks.append(ScheduledChunk(ctx, start, n))
             scheduled.add(ctx)
             budget -= n
+        self.ranking.observe([ch.ctx for ch in batch.chunks], [c for c in order if c not in scheduled])
         return batch
 
     def _victim(self, ctx: Context, order: List[Context], scheduled: Set[Context]) -> Optional[Context]:
@@ -131,13 +149,14 @@ class Scheduler:
         """
         candidates = [v for v in self.inactive() if v.table.blocks and v is not ctx]
         candidates += [v for v in reversed(order) if v is not ctx and v not in scheduled and v.table.blocks]
-        candidates = list(dict.fromkeys(candidates))
+        # blocks moving to or from the host are busy: not dropped mid-copy
+        candidates = [v for v in dict.fromkeys(candidates) if not v.swap_ops]
         blocks = self.blocks.blocks
         for v in candidates:
-            if any(blocks[b].ref_count == 1 for b in v.table.blocks):
+            if any(b >= 0 and blocks[b].ref_count == 1 for b in v.table.blocks):
                 return v
-        holders = Counter(b for v in candidates for b in v.table.blocks)
+        holders = Counter(b for v in candidates for b in v.table.blocks if b >= 0)
         for v in candidates:
-            if any(holders[b] == blocks[b].ref_count for b in v.table.blocks):
+            if any(b >= 0 and holders[b] == blocks[b].ref_count for b in v.table.blocks):
                 return v
         return None

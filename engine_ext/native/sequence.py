@@ -5,9 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, List, Optional, Set
+from typing import Any, Callable, Dict, Hashable, List, Optional, Set
 
-from ..protocol import SamplingParams, TokenEvent
+from ..policies.interception import Handling
+from ..policies.ranking import SchedInfo
+from ..protocol import PauseHint, SamplingParams, TokenEvent
 from .block_manager import BlockTable
 
 
@@ -45,6 +47,16 @@ class FillOp:
 
 
 @dataclass(eq=False)
+class Interception:
+    """A context waiting for a tool (paused) or a client's follow-up (parked)."""
+
+    hint: PauseHint
+    call_time: float                      # engine clock when it began
+    parked: bool = False
+    handling: Optional[Handling] = None   # None: not decided yet (the next step plans it)
+
+
+@dataclass(eq=False)
 class Context:
     id: Hashable
     token_ids: List[int]
@@ -58,6 +70,17 @@ class Context:
     last_fill: Optional[FillOp] = None    # the fill that last changed the tokens, while nothing else has
     arrival: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
+    sched: SchedInfo = field(default_factory=SchedInfo)   # what the ranking reads
+    intercept: Optional[Interception] = None  # set while paused or parked
+    host: Dict[int, int] = field(default_factory=dict)    # table index -> host block (swapped out)
+    swap_ops: int = 0                     # swap moves queued or in flight
+    recompute_end: int = 0                # positions below it were computed before (discarded): recomputation
+    waiting_swap_in: bool = False         # activate once every block is back on the device
+
+    @property
+    def on_host(self) -> bool:
+        """Some of its KV is in (or moving to/from) the host pool: it must not be scheduled."""
+        return bool(self.host) or self.swap_ops > 0
 
     @property
     def state(self) -> State:

@@ -211,7 +211,7 @@ def unit_profile(kv_capacity_tokens: int = 6, saturation_tokens: int = 1 << 20) 
     whatever it carries (LAMPS' example of Figure 3); swaps take no time."""
     return Profile(model="unit", device="unit", source="derived (unit model)", block_size=1,
                    kv_bytes_per_token=1, kv_capacity_tokens=kv_capacity_tokens, max_batched_tokens=1 << 20,
-                   fwd_tokens=(1,), fwd_seconds=(1.0,), fwd_s_per_context_token=0.0,
+                   fwd_tokens=(1, 1 << 20), fwd_seconds=(1.0, 1.0), fwd_s_per_context_token=0.0,
                    swap_s_per_block=1e-9, saturation_tokens=saturation_tokens)
 
 

@@ -16,6 +16,13 @@ which were served (:meth:`RankingPolicy.observe`) so it can count starvation.
   passed over ``starvation_threshold`` iterations in a row goes to the head
   and stays there until it completes; scores are refreshed every
   ``refresh_interval`` iterations (selective update) rather than every one.
+  ``horizon="segment"`` scores up to the next call, as the paper does (each
+  call starts a new "request"); ``horizon="job"`` (Interlace's default)
+  adds the later segments' memory over time and call waste when they are
+  known or predicted (``SchedInfo.future``), so a long multi-call job does
+  not look short at each of its segments -- the paper's own remark that
+  segmenting "does not account for the cumulative memory consumption of
+  the entire job".
 
 Items are the engines' own request objects; a ranking reads ``arrival`` and
 ``sched`` (a :class:`SchedInfo` the engine keeps up to date) and writes
@@ -25,7 +32,7 @@ only ``sched``'s ranking fields.  Free of torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Protocol, Sequence, TypeVar
+from typing import Iterable, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from .costmodel import Profile
 from .interception import (BatchState, Handling, InterceptedContext, InterceptionPolicy, best_case_waste)
@@ -40,8 +47,12 @@ class SchedInfo:
     expected_output: Optional[int] = None  # predicted tokens of this segment (to the next call or the end)
     expected_tool: Optional[str] = None
     expected_tool_s: Optional[float] = None  # predicted time of the call ending this segment (None: no call)
-    handling: Optional[Handling] = None    # handling predicted (or fixed) for that call
+    handling: Optional[Handling] = None    # handling fixed for that call (a worked example), else predicted
+    # the segments after this one, when known or predicted: (output tokens, call seconds or None, result tokens)
+    future: Tuple[Tuple[int, Optional[float], int], ...] = ()
     # owned by the ranking:
+    predicted_handling: Optional[Handling] = None  # LAMPS' prediction, once per segment (Algorithm 1, line 5)
+    future_score: Optional[float] = None           # the later segments' part of a job-horizon score
     starvation: int = 0
     starving: bool = False
     score: Optional[float] = None
@@ -125,7 +136,10 @@ class LAMPS(RankingPolicy):
     name = "lamps"
 
     def __init__(self, profile: Profile, interception: Optional[InterceptionPolicy] = None, *,
-                 starvation_threshold: int = 100, refresh_interval: int = 1):
+                 starvation_threshold: int = 100, refresh_interval: int = 1, horizon: str = "job"):
+        if horizon not in ("segment", "job"):
+            raise ValueError(f"horizon must be 'segment' or 'job', got {horizon!r}")
+        self.horizon = horizon
         if not isinstance(starvation_threshold, int) or starvation_threshold < 1:
             raise ValueError(f"starvation_threshold must be a positive integer, got {starvation_threshold!r}")
         if not isinstance(refresh_interval, int) or refresh_interval < 1:
@@ -139,27 +153,54 @@ class LAMPS(RankingPolicy):
         s = item.sched
         if s.handling is not None:
             return s.handling
-        if self.interception is None:
-            return Handling.PRESERVE
-        return self.interception.decide(InterceptedContext(c_call, expected_duration_s=t_call_s,
-                                                           tool=s.expected_tool, id=id(item)), batch)
+        if s.predicted_handling is None:
+            s.predicted_handling = Handling.PRESERVE if self.interception is None else self.interception.decide(
+                InterceptedContext(c_call, expected_duration_s=t_call_s, tool=s.expected_tool, id=id(item)), batch)
+        return s.predicted_handling
+
+    def _call_waste(self, item: Rankable, c_call: int, t_call_s: float, state: RankState,
+                    handling: Optional[Handling] = None) -> float:
+        """Iterations-worth of waste of the call at context ``c_call``."""
+        c_other = (state.batch_context_tokens if state.batch_context_tokens is not None
+                   else max(0, self.profile.kv_capacity_tokens - c_call))
+        batch = BatchState(context_tokens=c_other)
+        h = handling or self.predicted_handling(item, c_call, t_call_s, batch)
+        budgeted = self.interception.budgeted_swap if self.interception is not None else True
+        return best_case_waste(h, c_call, t_call_s, batch, self.profile, budgeted) / max(state.iteration_s, 1e-12)
 
     def score(self, item: Rankable, state: RankState) -> float:
-        """Token-iterations of memory until the next call, plus the
-        predicted handling's waste during it."""
+        """Token-iterations of memory until the next call (or, with the job
+        horizon, the end), plus the predicted handlings' waste."""
         s = item.sched
         c0, o = s.context_len, s.remaining_output
         area = o * c0 + o * (o + 1) / 2  # the context after each of the o iterations
         if s.expected_tool_s is None:
             return area
         c_call = c0 + o
-        c_other = (state.batch_context_tokens if state.batch_context_tokens is not None
-                   else max(0, self.profile.kv_capacity_tokens - c_call))
-        batch = BatchState(context_tokens=c_other)
-        h = self.predicted_handling(item, c_call, s.expected_tool_s, batch)
-        budgeted = self.interception.budgeted_swap if self.interception is not None else True
-        waste_s = best_case_waste(h, c_call, s.expected_tool_s, batch, self.profile, budgeted)
-        return area + waste_s / max(state.iteration_s, 1e-12)
+        area += self._call_waste(item, c_call, s.expected_tool_s, state)
+        if self.horizon == "job" and s.future:
+            if s.future_score is None:
+                s.future_score = self._future_score(item, c_call, state)
+            area += s.future_score
+        return area
+
+    def _future_score(self, item: Rankable, c: int, state: RankState) -> float:
+        """Memory over time of the later segments (computed once per segment)."""
+        total = 0.0
+        for out, call_s, result in item.sched.future:
+            c += result  # the previous call's result is prefilled
+            total += out * c + out * (out + 1) / 2
+            c += out
+            if call_s is not None:
+                # predicted like the current call's, without caching it as this segment's
+                h = None
+                if self.interception is not None and item.sched.handling is None:
+                    c_other = (state.batch_context_tokens if state.batch_context_tokens is not None
+                               else max(0, self.profile.kv_capacity_tokens - c))
+                    h = self.interception.decide(InterceptedContext(c, expected_duration_s=call_s, id=id(item)),
+                                                 BatchState(context_tokens=c_other))
+                total += self._call_waste(item, c, call_s, state, h or item.sched.handling or Handling.PRESERVE)
+        return total
 
     def key(self, item, state):
         s = item.sched
@@ -191,7 +232,7 @@ class LAMPS(RankingPolicy):
         s = item.sched
         if not s.starving:
             s.starvation = 0
-        s.score = None
+        s.score = s.predicted_handling = s.future_score = None
 
 
 RANKING_NAMES = ("lamps", "fcfs", "sjf", "sjf-total")
@@ -199,7 +240,7 @@ RANKING_NAMES = ("lamps", "fcfs", "sjf", "sjf-total")
 
 def make_ranking(name: str, profile: Optional[Profile] = None,
                  interception: Optional[InterceptionPolicy] = None, *, starvation_threshold: int = 100,
-                 refresh_interval: int = 1) -> RankingPolicy:
+                 refresh_interval: int = 1, horizon: str = "job") -> RankingPolicy:
     """Build a ranking by its configuration name (ValueError names the choices)."""
     if name == "fcfs":
         return FCFS()
@@ -211,7 +252,7 @@ def make_ranking(name: str, profile: Optional[Profile] = None,
         if profile is None:
             raise ValueError("the lamps ranking needs a profile")
         return LAMPS(profile, interception, starvation_threshold=starvation_threshold,
-                     refresh_interval=refresh_interval)
+                     refresh_interval=refresh_interval, horizon=horizon)
     raise ValueError(f"unknown ranking {name!r}; choose one of {', '.join(RANKING_NAMES)}")
 
 

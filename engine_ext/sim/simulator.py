@@ -1,0 +1,787 @@
+"""A discrete-event, iteration-level simulator of a paged-KV engine serving
+intercepted (tool-calling) requests, driven by the *same* policy objects as
+the engines (``engine_ext.policies``) and a cost model (:class:`Profile`).
+
+One loop turn is one engine iteration at a boundary ``now``:
+
+1. arrivals and call returns up to ``now`` join (a resumed request with
+   ``keeps_arrival = False`` ranks with arrival = resume time, as vLLM did);
+2. swaps: a budgeted swap moves at most ``profile.swap_limit_tokens(last
+   iteration's time)`` tokens (whole blocks; at least one) this iteration, swap-outs
+   first, then swap-ins in rank-arrival order; moved blocks are freed /
+   usable in this same iteration (InferCept pipelines the copy layer by layer
+   behind the forward pass); the rest waits and holds its device memory.
+   ``swap-sync`` moves everything at once and stalls the iteration by
+   ``profile.t_swap(moved tokens)``.  A context the host pool can't take is
+   discarded instead; a swap-in first reserves device blocks for the whole
+   context (partly swapped-in contexts waiting on each other's memory would
+   deadlock);
+3. the batch (decode-first, like ``engine_ext/native/scheduler.py``): every
+   running decode (one token each), ordered by the ranking when memory, the
+   token budget (``max_batched_tokens``) or ``max_batch_requests`` binds,
+   then prefill / recompute chunks in rank order.  A decode that finds no
+   free block evicts prefix-cache blocks, then drops the KV of a preserved
+   paused context, then preempts (recompute) the lowest-ranked unscheduled
+   running request, else itself.  A waiting request (new, discarded and
+   resumed, preempted) is admitted only if its chunk fits in free memory
+   (``admission="greedy"``) -- or, with ``admission="peak"``, if all the
+   memory it will add until its next call or its end fits -- and the first
+   one that does not fit stops admission (head of line, as vLLM).
+   With ``rank_preempt=True`` (LAMPS' Algorithm 1 rebuilds the running
+   batch from the ranked queue each iteration) the best-ranked waiting
+   request that does not fit first preempts running requests ranked below
+   it, lowest first, when they hold enough memory.  Rankings see
+   ``RankState(batch_context_tokens=None)``: LAMPS' own estimate of the
+   batch around a request (a full cache), not the instantaneous batch,
+   which is empty whenever the engine is and would make every discard
+   look free.
+   Recomputation goes in chunks of ``profile.recompute_chunk(decodes)``
+   tokens in total per iteration when the policy says ``chunked_recompute``,
+   else a context's whole recomputation in one iteration;
+4. the iteration takes ``profile.t_fwd(batched tokens, attended context
+   tokens)`` (+ a sync swap's stall); an idle engine jumps to the next event;
+5. requests that finish their segment are intercepted: the ranking's
+   ``on_interception`` is called, then ``interception.plan`` for them *and*
+   for every still-preserved context (its dynamic estimate grows; a
+   preserved context may later be discarded or swapped), with the batch
+   around them (``BatchState``); ``ranking.observe`` gets what ran and what
+   waited.
+
+Token model: a request's KV covers every token of its sequence.  A decode
+computes one token and adds it (+1 token of memory).  A prefill of new
+tokens (prompt, tool result, next turn) computes them in chunks, and the
+chunk that completes them also samples the segment's next token (as real
+engines do).  A pure recomputation (a discarded or preempted context with no
+new tokens) restores KV only: the next token takes a decode.  With prefix
+caching, the full blocks of a discarded or preempted context stay cached
+(LRU, evicted when memory is needed) and its recomputation starts after the
+cached prefix still present; finished requests' blocks are not kept (no
+later request shares them in these traces).
+
+Predictions (``oracle=True``): SchedInfo gets the trace's true segment
+length as ``expected_output`` and the true call time as ``expected_tool_s``
+(and the interception policy the true call time as the hint); with
+``oracle=False`` the lengths come from an :class:`OutputLengths` learned
+online per application and prompt-length bucket, call times from the
+policy's ``durations`` (a ToolDurations learned online, None until a tool
+was seen; the interception policy then uses InferCept's dynamic estimate).
+Whether a call follows a segment is always taken from the trace.  Every
+finished call is observed by ``interception.durations``.
+
+KV memory waste (GB*s = token-seconds * kv_bytes_per_token / 1e9), as
+InferCept counts it: (a) device KV held by intercepted contexts while their
+call runs (preserved, or still draining out / filling back in by a swap),
+and by resumed contexts waiting for the rest of their swap-in; (b) for each
+iteration that recomputes, the memory of the contexts being recomputed for
+that iteration's time, plus the context of the other scheduled requests for
+the extra time the recomputed tokens add to the iteration; (c) a sync swap's
+stall times the context of the scheduled requests.
+
+Unit model (LAMPS' Table 1 / Figure 3, reproduced by
+``tests/test_simulator.py``): ``unit_profile(kv_capacity_tokens=6)`` (1
+token = 1 unit of memory, every iteration 1 unit of time, swaps free and
+budget unlimited), ``max_batch_requests=1`` and ``admission="peak"``.  The
+rules that give FCFS 35/3, SJF 31/3, SJF-by-total 33/3 and LAMPS 30/3 are
+exactly the general ones above: decode-first (a request that holds its KV
+and needs no compute -- running, preserved and resumed, or swapped back in
+-- is served before any waiting one, and among those the ranking decides,
+so a resumed request that ranks strictly higher takes the one slot from the
+running one: SJF-by-total's R3 at t=3), a waiting request is admitted only
+when its memory up to its next call or end fits beside everyone's held
+memory (FCFS's R3 at t=6, LAMPS' R2 at t=10, SJF's R2 at t=9), a swap
+out/in completes at the boundary where it is queued, a discarded context's
+recomputation takes one iteration (S is unbounded) and its next token
+another (R2's "recompute + 1 token"), and ties in rank keep arrival then
+request order.  Free of torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..policies.costmodel import Profile
+from ..policies.interception import (BatchState, Discard, Fixed, Handling, InterceptedContext, InterceptionPolicy,
+                                     Preserve, Swap)
+from ..policies.predictors import OutputLengths
+from ..policies.ranking import RankingPolicy, RankState, SchedInfo
+from .metrics import RequestRecord, summarize
+from .traces import Trace, TraceRequest, validate_request
+
+WAITING, RUNNING, PAUSED, SWAPIN, DONE, FUTURE = "waiting", "running", "paused", "swapin", "done", "future"
+
+
+class SimulationError(RuntimeError):
+    """The simulated engine cannot make progress (a request can never fit)."""
+
+
+class SimRequest:
+    """The simulator's request: what rankings read (``arrival``, ``sched``)
+    plus the KV state."""
+
+    __slots__ = ("id", "trace", "arrival", "arrival0", "sched", "tool", "seg", "seg_gen", "seq", "kv", "fresh",
+                 "hb", "out_left", "state", "handling", "call_start", "call_end", "tool_s", "out_tokens",
+                 "first_token", "finish", "mark", "waited", "seg_prompt", "resv")
+
+    def __init__(self, tr: TraceRequest):
+        self.id, self.trace = tr.id, tr
+        self.arrival = self.arrival0 = tr.arrival
+        self.sched = SchedInfo()
+        self.tool = tr.app or "tool"
+        self.seg = 0
+        self.seg_gen = 0
+        self.seq = tr.segments[0].prompt_tokens   # tokens of the sequence
+        self.kv = 0                               # of them, tokens with KV (device or host)
+        self.fresh = self.seq                     # tail tokens never computed yet
+        self.hb = 0                               # blocks of KV in the host pool
+        self.out_left = 0                         # blocks still queued to swap out
+        self.state = FUTURE
+        self.handling: Optional[Handling] = None
+        self.call_start = self.call_end = 0.0
+        self.tool_s = 0.0
+        self.out_tokens = 0
+        self.first_token: Optional[float] = None
+        self.finish: Optional[float] = None
+        self.mark = 0.0                           # waste accounting: since when its idle KV is counted
+        self.waited = 0                           # iterations passed over in a row
+        self.seg_prompt = self.seq
+        self.resv = 0                             # device blocks reserved for its swap-in
+
+    @property
+    def pending(self) -> int:
+        return self.seq - self.kv
+
+    def __repr__(self) -> str:
+        return f"<SimRequest {self.id} {self.state} seq={self.seq} kv={self.kv}>"
+
+
+@dataclass
+class IterationStat:
+    start: float
+    seconds: float
+    batched_tokens: int
+    requests: int
+    swap_out_tokens: int
+    swap_in_tokens: int
+    swap_limit_tokens: Optional[int]   # None: unlimited (sync swap)
+    used_blocks: int
+
+
+@dataclass
+class SimResult:
+    records: List[RequestRecord]
+    metrics: Dict[str, Any]
+    timeline: Optional[List[IterationStat]] = None
+    stats: Dict[str, Any] = field(default_factory=dict)
+    starvation_events: List[tuple] = field(default_factory=list)  # (iteration, request id, iterations waited)
+
+
+def _static(policy: InterceptionPolicy) -> bool:
+    """Policies whose answer cannot change while a context stays preserved
+    (re-planning them each iteration would be a no-op)."""
+    return isinstance(policy, (Preserve, Discard, Swap, Fixed))
+
+
+class Simulator:
+    def __init__(self, trace: Trace, profile: Profile, interception: InterceptionPolicy, ranking: RankingPolicy, *,
+                 prefix_caching: bool = True, max_iterations: int = 5_000_000,
+                 max_batch_requests: Optional[int] = None, admission: str = "greedy", oracle: bool = True,
+                 lengths: Optional[OutputLengths] = None, timeline: bool = False, rank_preempt: bool = False):
+        if admission not in ("greedy", "peak"):
+            raise ValueError(f"unknown admission {admission!r}; choose greedy or peak")
+        if max_batch_requests is not None and (not isinstance(max_batch_requests, int) or max_batch_requests < 1):
+            raise ValueError(f"max_batch_requests must be a positive integer, got {max_batch_requests!r}")
+        if not isinstance(interception, InterceptionPolicy):
+            raise TypeError(f"interception must be an InterceptionPolicy, got {type(interception).__name__}")
+        if not isinstance(ranking, RankingPolicy):
+            raise TypeError(f"ranking must be a RankingPolicy, got {type(ranking).__name__}")
+        ids = set()
+        for tr in trace.requests:
+            validate_request(tr)
+            if tr.id in ids:
+                raise ValueError(f"request {tr.id!r}: field 'id' is duplicated")
+            ids.add(tr.id)
+        self.p, self.policy, self.ranking = profile, interception, ranking
+        self.bs = profile.block_size
+        self.cap = profile.kv_capacity_tokens // self.bs
+        self.host_cap = (profile.host_capacity_tokens or profile.kv_capacity_tokens) // self.bs
+        self.prefix_caching, self.max_iterations = prefix_caching, max_iterations
+        self.slots = max_batch_requests or (1 << 30)
+        self.peak = admission == "peak"
+        self.oracle = oracle
+        self.rank_preempt = rank_preempt
+        self.lengths = lengths if lengths is not None else OutputLengths()
+        self.reqs = [SimRequest(tr) for tr in sorted(trace.requests, key=lambda r: r.arrival)]
+        self.static = _static(interception)
+        self.fixed = isinstance(interception, Fixed)
+        self.on_interception = getattr(ranking, "on_interception", None)
+        # device / host pools (blocks)
+        self.used = 0
+        self.cache: "OrderedDict[str, int]" = OrderedDict()
+        self.cached = 0
+        self.host_used = 0
+        self.host_reserved = 0
+        self.out_queue: List[SimRequest] = []
+        self.swapin: List[SimRequest] = []
+        self.returns: list = []                      # heap of (call_end, n, request)
+        self.ready: Dict[SimRequest, None] = {}      # RUNNING or WAITING, insertion-ordered
+        self.preserved: Dict[SimRequest, None] = {}  # paused with their KV kept on the device
+        self.now = 0.0
+        self.last_iter_s = profile.t_fwd(1)
+        self.waste_tok_s = 0.0
+        self.timeline: Optional[List[IterationStat]] = [] if timeline else None
+        self.starvation_events: List[tuple] = []
+        self.stats: Dict[str, Any] = {"iterations": 0, "preemptions": 0, "recomputed_tokens": 0,
+                                      "swap_out_blocks": 0, "swap_in_blocks": 0, "cache_hit_tokens": 0,
+                                      "paused_dropped": 0, "rank_preemptions": 0,
+                                      "handling": {h.value: 0 for h in Handling},
+                                      "replanned": {h.value: 0 for h in Handling}}
+        self._n = 0
+
+    # ------------------------------------------------------------- memory
+    def nb(self, tokens: int) -> int:
+        return -(-tokens // self.bs)
+
+    def dev_blocks(self, r: SimRequest) -> int:
+        return self.nb(r.kv) - r.hb
+
+    def dev_tokens(self, r: SimRequest) -> int:
+        return r.kv - min(r.kv, r.hb * self.bs)
+
+    def available(self) -> int:
+        """Blocks that can be allocated now (free plus evictable cache)."""
+        return self.cap - self.used
+
+    def alloc(self, n: int) -> bool:
+        if n <= 0:
+            return True
+        if n > self.cap - self.used:
+            return False
+        short = n - (self.cap - self.used - self.cached)
+        while short > 0:
+            rid, cnt = next(iter(self.cache.items()))
+            take = min(cnt, short)
+            if take == cnt:
+                del self.cache[rid]
+            else:
+                self.cache[rid] = cnt - take
+            self.cached -= take
+            short -= take
+        self.used += n
+        return True
+
+    def drop_kv(self, r: SimRequest) -> None:
+        """Free a device-resident context's KV (discard / preemption); its
+        full blocks stay in the prefix cache when caching is on."""
+        assert r.hb == 0 and r.out_left == 0
+        self.used -= self.nb(r.kv)
+        full = r.kv // self.bs
+        if self.prefix_caching and full:
+            self.cache[r.id] = self.cache.pop(r.id, 0) + full
+            self.cached += full
+        r.kv = 0
+        r.fresh = min(r.fresh, r.seq)
+
+    def take_cache(self, r: SimRequest) -> None:
+        hit = self.cache.pop(r.id, 0)
+        if hit:
+            self.cached -= hit
+            self.used += hit
+            r.kv = min(hit * self.bs, r.seq)
+            self.stats["cache_hit_tokens"] += r.kv
+
+    # ---------------------------------------------------------- accounting
+    def account(self, r: SimRequest) -> None:
+        """Add the idle KV a paused / swapping-in context held since ``mark``."""
+        self.waste_tok_s += self.dev_tokens(r) * (self.now - r.mark)
+        r.mark = self.now
+
+    # ---------------------------------------------------------- segments
+    def start_segment(self, r: SimRequest) -> None:
+        segs = r.trace.segments
+        seg = segs[r.seg]
+        s = r.sched
+        s.segment_generated = r.seg_gen = 0
+        s.context_len = r.seq
+        last = r.seg == len(segs) - 1
+        r.seg_prompt = r.seq
+        if self.oracle:
+            s.expected_output = seg.completion_tokens
+            s.expected_tool_s = None if last else seg.api_time
+            s.future = tuple((segs[j].completion_tokens, None if j == len(segs) - 1 else segs[j].api_time,
+                              segs[j - 1].api_token_length + segs[j].prompt_tokens)
+                             for j in range(r.seg + 1, len(segs)))
+        else:
+            s.expected_output = self.lengths.estimate(r.tool, r.seq)
+            s.expected_tool_s = None if last else self.policy.durations.estimate(r.tool)
+        s.expected_tool = None if last else r.tool
+        if self.fixed:
+            s.handling = self.policy.decide(InterceptedContext(r.seq, id=r.id, tool=r.tool), BatchState(), self.now)
+
+    def arrive(self, r: SimRequest) -> None:
+        r.state = WAITING
+        self.ready[r] = None
+        self.start_segment(r)
+
+    def resume(self, r: SimRequest) -> None:
+        """The call of ``r`` returned: append its result and the next prompt."""
+        tr = r.trace
+        api = tr.segments[r.seg]
+        r.tool_s += api.api_time
+        self.policy.durations.observe(r.tool, api.api_time)
+        r.seg += 1
+        add = api.api_token_length + tr.segments[r.seg].prompt_tokens
+        r.seq += add
+        r.fresh += add
+        if not self.policy.keeps_arrival:
+            r.arrival = self.now
+        self.account(r)
+        self.preserved.pop(r, None)
+        if r.out_left:  # cancel what has not moved out yet
+            self.host_reserved -= r.out_left
+            r.out_left = 0
+            self.out_queue.remove(r)
+        if r.hb:
+            r.state = SWAPIN
+            self.swapin.append(r)
+        else:
+            r.state = RUNNING if r.kv else WAITING
+            self.ready[r] = None
+        self.start_segment(r)
+
+    def apply(self, r: SimRequest, h: Handling, replan: bool) -> None:
+        key = "replanned" if replan else "handling"
+        if h is Handling.PRESERVE:
+            r.handling = h
+            self.preserved[r] = None
+            if not replan:
+                self.stats[key][h.value] += 1
+            return
+        self.account(r)
+        self.preserved.pop(r, None)
+        if h is Handling.SWAP:
+            need = self.nb(r.kv)
+            if need and self.host_used + self.host_reserved + need <= self.host_cap:
+                r.handling = h
+                r.out_left = need
+                self.host_reserved += need
+                self.out_queue.append(r)
+                self.stats[key][h.value] += 1
+                return
+            h = Handling.DISCARD  # the host pool is full: discard instead
+        r.handling = h
+        self.stats[key][h.value] += 1
+        if r.kv:
+            self.drop_kv(r)
+
+    # -------------------------------------------------------------- swaps
+    def swap_limit(self) -> int:
+        """Blocks a budgeted swap moves this iteration (at least one, or a
+        swap could never finish)."""
+        return max(1, self.p.swap_limit_tokens(self.last_iter_s) // self.bs)
+
+    def do_swaps(self) -> tuple:
+        budgeted = self.policy.budgeted_swap
+        limit = self.swap_limit() if budgeted else 1 << 60
+        left = limit
+        out_b = in_b = 0
+        for r in list(self.out_queue):
+            if left <= 0:
+                break
+            k = min(r.out_left, left)
+            self.account(r)
+            r.out_left -= k
+            r.hb += k
+            self.used -= k
+            self.host_used += k
+            self.host_reserved -= k
+            left -= k
+            out_b += k
+            if not r.out_left:
+                self.out_queue.remove(r)
+        if self.swapin:
+            order = sorted(self.swapin, key=lambda x: x.arrival)
+            for r in order:
+                if left <= 0:
+                    break
+                if r.resv < r.hb:
+                    # reserve the device blocks of the whole context before
+                    # moving any: partly swapped-in contexts each waiting for
+                    # memory another holds would deadlock
+                    if not self.alloc(r.hb - r.resv):
+                        continue
+                    r.resv = r.hb
+                k = min(r.hb, left)
+                self.account(r)
+                r.resv -= k
+                r.hb -= k
+                self.host_used -= k
+                left -= k
+                in_b += k
+                if not r.hb:
+                    r.state = RUNNING
+                    self.ready[r] = None
+                    self.swapin.remove(r)
+        self.stats["swap_out_blocks"] += out_b
+        self.stats["swap_in_blocks"] += in_b
+        return out_b, in_b, (limit * self.bs if budgeted else None)
+
+    # -------------------------------------------------------------- batch
+    def preempt(self, v: SimRequest) -> None:
+        self.drop_kv(v)
+        v.state = WAITING
+        self.stats["preemptions"] += 1
+
+    def make_room(self, need: int, protect: SimRequest, ranked: Optional[List[SimRequest]],
+                  scheduled: set) -> bool:
+        """Free ``need`` blocks: preserved paused contexts first (latest call
+        first), then the lowest-ranked unscheduled running request."""
+        while self.available() < need:
+            paused = [x for x in self.preserved if x.kv]
+            if paused:
+                v = max(paused, key=lambda x: x.call_start)
+                del self.preserved[v]
+                self.account(v)
+                self.drop_kv(v)
+                v.handling = Handling.DISCARD
+                self.stats["paused_dropped"] += 1
+                continue
+            victims = [x for x in (ranked or []) if x is not protect and x not in scheduled
+                       and x.state == RUNNING and x.kv]
+            if not victims:
+                return False
+            self.preempt(victims[-1])
+        return True
+
+    def rank_state(self, it: int) -> RankState:
+        # batch_context_tokens=None: the ranking assumes a full cache around a
+        # request (LAMPS estimates the batch's context offline; the ranking
+        # matters when memory is full), not the instantaneous batch, which
+        # is empty whenever the engine is (and would make every discard free)
+        return RankState(iteration=it, iteration_s=self.last_iter_s, batch_context_tokens=None)
+
+    def form_batch(self, it: int):
+        bs = self.bs
+        decodes, prefills, waiting = [], [], []
+        for r in self.ready:
+            if r.state == WAITING:
+                waiting.append(r)
+            elif r.kv == r.seq:
+                decodes.append(r)
+            else:
+                prefills.append(r)
+        state = None
+        if self.rank_preempt and waiting and (decodes or prefills):
+            state = self.rank_state(it)
+            if self.preempt_for_head(decodes + prefills, waiting, state):
+                decodes = [r for r in decodes if r.state == RUNNING]
+                prefills = [r for r in prefills if r.state == RUNNING]
+                waiting = [r for r in self.ready if r.state == WAITING]
+        budget, slots = self.p.max_batched_tokens, self.slots
+        sched: List[tuple] = []  # (request, chunk, new, emit, recompute)
+        scheduled = set()
+        need = sum(1 for r in decodes if r.kv % bs == 0)
+        if len(decodes) <= min(slots, budget) and need <= self.available():
+            ranked_dec = None
+            if need:
+                self.alloc(need)
+            for r in decodes:
+                sched.append((r, 0, 0, True, 0))
+            scheduled.update(decodes)
+            budget -= len(decodes)
+            slots -= len(decodes)
+        else:
+            state = self.rank_state(it)
+            ranked_dec = self.ranking.order(decodes, state)
+            for r in ranked_dec:
+                if slots <= 0 or budget <= 0:
+                    break
+                if r.state != RUNNING:
+                    continue  # preempted for a better-ranked one
+                if r.kv % bs == 0:
+                    if not self.make_room(1, r, ranked_dec + self._ranked_prefills(prefills, state), scheduled):
+                        self.preempt(r)
+                        continue
+                    self.alloc(1)
+                sched.append((r, 0, 0, True, 0))
+                scheduled.add(r)
+                budget -= 1
+                slots -= 1
+        cands = [r for r in prefills if r.state == RUNNING]
+        if self.available() > 0:  # else no waiting request can be admitted: skip ranking them
+            cands += waiting
+        if cands and slots > 0 and budget > 0:
+            if state is None:
+                state = self.rank_state(it)
+            ranked = self.ranking.order(cands, state)
+            rec_left = (self.p.recompute_chunk(len(decodes)) if self.policy.chunked_recompute else 1 << 60)
+            admit = True
+            n_prefills = 0
+            for r in ranked:
+                if slots <= 0 or budget <= 0:
+                    break
+                if r.state == WAITING and not admit:
+                    continue
+                if r.state == WAITING and r.kv == 0 and r.id in self.cache:
+                    hit = self.cache[r.id] * bs
+                else:
+                    hit = None
+                kv0 = min(hit, r.seq) if hit is not None else r.kv
+                pend = r.seq - kv0
+                fresh = min(r.fresh, pend)
+                rec = pend - fresh
+                if rec > 0:
+                    if self.policy.chunked_recompute:
+                        n_rec = min(rec, rec_left, budget)
+                    else:
+                        n_rec = rec if (rec <= budget or n_prefills == 0) else 0
+                    if n_rec <= 0:
+                        if r.state == WAITING:
+                            admit = False
+                        continue
+                else:
+                    n_rec = 0
+                n_new = min(fresh, budget - n_rec) if n_rec == rec else 0
+                chunk = n_rec + n_new
+                seg = r.trace.segments[r.seg]
+                emit = chunk == pend and (fresh > 0 or pend == 0) and r.seg_gen < seg.completion_tokens
+                held = self.nb(kv0) if r.state == WAITING else self.dev_blocks(r)
+                grow = self.nb(kv0 + chunk + (1 if emit else 0)) - held
+                if r.state == WAITING:
+                    peak_grow = grow
+                    if self.peak:
+                        peak_grow = self.nb(r.seq + seg.completion_tokens - r.seg_gen) - held
+                    # a cache hit re-uses blocks counted in available(): they must not be evicted for itself
+                    avail = self.available() - (held if hit is not None else 0)
+                    if peak_grow > avail:
+                        admit = False
+                        continue
+                    self.take_cache(r)
+                    self.alloc(grow)
+                    r.state = RUNNING
+                else:
+                    if grow > self.available():
+                        if not self.make_room(grow, r, (ranked_dec or []) + ranked, scheduled):
+                            continue
+                    self.alloc(grow)
+                sched.append((r, chunk, n_new, emit, n_rec))
+                scheduled.add(r)
+                budget -= max(chunk, 1 if emit else 0)
+                slots -= 1
+                n_prefills += 1
+                if self.policy.chunked_recompute:
+                    rec_left -= n_rec
+        return sched, decodes, prefills, waiting
+
+    def preempt_for_head(self, running: List[SimRequest], waiting: List[SimRequest], state: RankState) -> bool:
+        """``rank_preempt``: LAMPS' Algorithm 1 rebuilds the running batch
+        from the ranked queue every iteration, so the best-ranked waiting
+        request that does not fit takes memory from running requests ranked
+        below it (lowest first, preempted by recompute) -- when they hold
+        enough.  Returns whether anything was preempted."""
+        order = self.ranking.order(running + waiting, state)
+        head = next(r for r in order if r.state == WAITING)
+        hit = self.cache.get(head.id, 0) if head.kv == 0 else 0
+        kv0 = min(hit * self.bs, head.seq)
+        seg = head.trace.segments[head.seg]
+        if self.peak:
+            need = self.nb(head.seq + seg.completion_tokens - head.seg_gen) - self.nb(kv0)
+        else:
+            need = self.nb(kv0 + min(head.seq - kv0, self.p.max_batched_tokens) + 1) - self.nb(kv0)
+        avail = self.available() - (self.nb(kv0) if hit else 0)
+        if need <= avail:
+            return False
+        below = [r for r in order[order.index(head) + 1:] if r.state == RUNNING and r.kv]
+        freed, victims = 0, []
+        for v in reversed(below):
+            if avail + freed >= need:
+                break
+            victims.append(v)
+            freed += self.dev_blocks(v)
+        if avail + freed < need:
+            return False
+        for v in victims:
+            self.preempt(v)
+        self.stats["rank_preemptions"] += len(victims)
+        return True
+
+    def _ranked_prefills(self, prefills, state):
+        return self.ranking.order(prefills, state) if prefills else []
+
+    # --------------------------------------------------------------- run
+    def run(self) -> SimResult:
+        p = self.p
+        reqs = self.reqs
+        nxt = 0
+        done = 0
+        it = 0
+        t0 = reqs[0].arrival if reqs else 0.0
+        self.now = t0
+        while done < len(reqs):
+            # 1. arrivals and returns
+            while nxt < len(reqs) and reqs[nxt].arrival <= self.now:
+                self.arrive(reqs[nxt])
+                nxt += 1
+            while self.returns and self.returns[0][0] <= self.now:
+                self.resume(heapq.heappop(self.returns)[2])
+            # 2. swaps
+            out_b = in_b = 0
+            if self.out_queue or self.swapin:
+                out_b, in_b, limit = self.do_swaps()
+            else:
+                limit = self.swap_limit() * self.bs if self.policy.budgeted_swap else None
+            stall = 0.0 if self.policy.budgeted_swap else p.t_swap((out_b + in_b) * self.bs)
+            # 3. batch
+            sched, decodes, prefills, waiting = self.form_batch(it)
+            if not sched:
+                if stall or out_b or in_b:
+                    self.now += stall if stall else p.t_swap((out_b + in_b) * self.bs)
+                    continue
+                t_next = [self.returns[0][0]] if self.returns else []
+                if nxt < len(reqs):
+                    t_next.append(reqs[nxt].arrival)
+                if not t_next:
+                    stuck = [r for r in reqs if r.state != DONE]
+                    raise SimulationError(
+                        f"no progress possible: request {stuck[0].id!r} needs more KV memory than the device "
+                        f"can give it ({self.cap} blocks of {self.bs} tokens)" if stuck else "no progress")
+                self.now = max(self.now, min(t_next))
+                continue
+            it += 1
+            if it > self.max_iterations:
+                raise SimulationError(f"more than max_iterations={self.max_iterations} iterations")
+            # 4. execute
+            batched = 0
+            ctx = 0
+            rec_tokens = 0
+            rec_mem = 0
+            for r, chunk, n_new, emit, n_rec in sched:
+                batched += chunk if chunk else (1 if emit else 0)
+                r.kv += chunk
+                r.fresh -= n_new
+                if n_rec:
+                    rec_tokens += n_rec
+                    rec_mem += r.kv
+                if emit:
+                    r.seq += 1
+                    r.kv += 1
+                    r.seg_gen += 1
+                    r.out_tokens += 1
+                    s = r.sched
+                    s.segment_generated = r.seg_gen
+                ctx += r.kv
+                r.sched.context_len = r.seq
+            dt = p.t_fwd(batched, ctx)
+            if rec_tokens:
+                extra = dt - p.t_fwd(max(1, batched - rec_tokens), ctx)
+                self.waste_tok_s += rec_mem * dt + (ctx - rec_mem) * extra
+                self.stats["recomputed_tokens"] += rec_tokens
+            if stall:
+                self.waste_tok_s += ctx * stall
+            if self.timeline is not None:
+                self.timeline.append(IterationStat(self.now, dt + stall, batched, len(sched), out_b * self.bs,
+                                                   in_b * self.bs, limit, self.used))
+            self.now += dt + stall
+            self.last_iter_s = dt
+            # 5. finishes and interceptions
+            newly = []
+            c_other = 0
+            for r, chunk, n_new, emit, n_rec in sched:
+                if emit and r.first_token is None:
+                    r.first_token = self.now
+                seg = r.trace.segments[r.seg]
+                if r.kv == r.seq and r.seg_gen >= seg.completion_tokens:
+                    if not self.oracle:
+                        self.lengths.observe(r.tool, r.seg_prompt, r.seg_gen)
+                    if r.seg == len(r.trace.segments) - 1:
+                        r.state = DONE
+                        del self.ready[r]
+                        r.finish = self.now
+                        self.used -= self.nb(r.kv)
+                        r.kv = 0
+                        done += 1
+                        continue
+                    r.state = PAUSED
+                    del self.ready[r]
+                    r.call_start = r.mark = self.now
+                    r.call_end = self.now + seg.api_time
+                    self._n += 1
+                    heapq.heappush(self.returns, (r.call_end, self._n, r))
+                    if self.on_interception is not None:
+                        self.on_interception(r)
+                    newly.append(r)
+                else:
+                    c_other += r.kv
+            self.intercept(newly, c_other, len(decodes), batched)
+            # 6. ranking bookkeeping
+            scheduled = [x[0] for x in sched]
+            sset = set(scheduled)
+            passed = [r for r in decodes + prefills + waiting if r not in sset and r.state in (RUNNING, WAITING)]
+            before = [r.sched.starving for r in passed]
+            self.ranking.observe(scheduled, passed)
+            for r in scheduled:
+                r.waited = 0
+            for r, was in zip(passed, before):
+                r.waited += 1
+                if r.sched.starving and not was:
+                    self.starvation_events.append((it, r.id, r.waited))
+        self.stats["iterations"] = it
+        return self.result(t0)
+
+    def intercept(self, newly: List[SimRequest], c_other: int, decodes: int, batched: int) -> None:
+        ctxs = list(newly)
+        if not self.static:
+            ctxs += [r for r in self.preserved if r.kv and r.state == PAUSED and r.call_start < self.now]
+        if not ctxs:
+            return
+        backlog = sum(r.out_left for r in self.out_queue) * self.bs
+        batch = BatchState(context_tokens=c_other, decode_tokens=decodes, batched_tokens=max(1, batched),
+                           swap_backlog_tokens=backlog)
+        ics = [InterceptedContext(r.kv, self.dev_blocks(r),
+                                  r.trace.segments[r.seg].api_time if self.oracle else None,
+                                  r.tool, r.id, r.call_start) for r in ctxs]
+        plan = self.policy.plan(ics, batch, self.now)
+        new_ids = {r.id for r in newly}
+        for r in ctxs:
+            h = Handling(plan[r.id])
+            replan = r.id not in new_ids
+            if replan and h is Handling.PRESERVE:
+                continue
+            self.apply(r, h, replan)
+
+    def result(self, t0: float) -> SimResult:
+        for r in self.reqs:
+            if r.state in (PAUSED, SWAPIN):
+                self.account(r)
+        records = [RequestRecord(r.id, r.arrival0, r.first_token if r.first_token is not None else r.finish,
+                                 r.finish, r.tool_s, r.out_tokens) for r in self.reqs]
+        wall = max((r.finish for r in self.reqs), default=t0) - t0
+        waste = self.waste_tok_s * self.p.kv_bytes_per_token / 1e9
+        self.stats.update(leaked_blocks=self.used, cached_blocks=self.cached, host_blocks=self.host_used,
+                          host_reserved=self.host_reserved, sim_time_s=wall)
+        extra = {"policy": getattr(self.policy, "name", type(self.policy).__name__),
+                 "ranking": getattr(self.ranking, "name", type(self.ranking).__name__),
+                 "profile": self.p.model, "profile_source": self.p.source,
+                 "iterations": self.stats["iterations"], "preemptions": self.stats["preemptions"],
+                 "recomputed_tokens": self.stats["recomputed_tokens"],
+                 "swap_out_blocks": self.stats["swap_out_blocks"], "swap_in_blocks": self.stats["swap_in_blocks"],
+                 "handling": dict(self.stats["handling"])}
+        metrics = summarize(records, wall, waste, extra)
+        return SimResult(records, metrics, self.timeline, self.stats, self.starvation_events)
+
+
+def simulate(trace: Trace, profile: Profile, interception: InterceptionPolicy, ranking: RankingPolicy, *,
+             prefix_caching: bool = True, max_iterations: int = 5_000_000, max_batch_requests: Optional[int] = None,
+             admission: str = "greedy", oracle: bool = True, lengths: Optional[OutputLengths] = None,
+             timeline: bool = False, rank_preempt: bool = False) -> SimResult:
+    """Replay ``trace`` on a simulated engine of ``profile`` under these
+    policies (module doc).  Policy objects are used as given (their learned
+    predictors carry over between calls: build fresh ones per run)."""
+    return Simulator(trace, profile, interception, ranking, prefix_caching=prefix_caching,
+                     max_iterations=max_iterations, max_batch_requests=max_batch_requests, admission=admission,
+                     oracle=oracle, lengths=lengths, timeline=timeline, rank_preempt=rank_preempt).run()
+
+
+__all__ = ["simulate", "Simulator", "SimResult", "SimRequest", "IterationStat", "SimulationError"]
