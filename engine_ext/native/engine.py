@@ -699,20 +699,26 @@ class NativeEngine:
             on_interception(ctx)
         ctx.sched.segment_generated = 0
 
-    def _end_interception(self, ctx: Context) -> None:
+    def _end_interception(self, ctx: Context, returned: bool = True) -> None:
         """The call returned (resume, or a follow-up on a parked context):
-        learn its duration, fix the arrival time, bring swapped KV back."""
+        learn its duration, fix the arrival time, bring swapped KV back.
+        ``returned=False``: the paused generation ended without a resume
+        (aborted): nothing to learn, the context just stops being intercepted."""
         rec = ctx.intercept
         if rec is None:
             return
         ctx.intercept = None
         self.intercepted.pop(ctx.id, None)
         now = time.monotonic()
-        self.interception.durations.observe(rec.hint.tool, now - rec.call_time)
+        if returned:
+            self.interception.durations.observe(rec.hint.tool, now - rec.call_time)
         if not self.interception.keeps_arrival:
             ctx.arrival = now  # re-queued as a new request (vLLM)
         if ctx.on_host:
-            self.swap.swap_in(ctx)  # the scheduler skips it until every block is back
+            if returned:
+                self.swap.swap_in(ctx)  # the scheduler skips it until every block is back
+            else:
+                self._release_kv(ctx)  # nobody waits for it: recompute if it is ever used
 
     def _unpark(self, ctx: Context) -> None:
         if ctx.intercept is not None and ctx.intercept.parked:
@@ -918,6 +924,8 @@ class NativeEngine:
         gen = ctx.gen
         gen.done = True
         ctx.gen = None
+        if ctx.intercept is not None and not ctx.intercept.parked:  # aborted while paused
+            self._end_interception(ctx, returned=False)
         self.scheduler.remove(ctx)
         if ctx in self.ready:
             self.ready.remove(ctx)
@@ -936,6 +944,8 @@ class NativeEngine:
             gen = ctx.gen
             gen.done = True
             ctx.gen = None
+            if ctx.intercept is not None and not ctx.intercept.parked:
+                self._end_interception(ctx, returned=False)
             gen.emit(err)
 
 

@@ -89,9 +89,9 @@ def _measure(engine, quick: bool) -> dict:
     reps = 1 if quick else 5
     try:
         max_tok = min(engine.scheduler.max_batched_tokens, (free // 2) * bs, engine.max_model_len)
-        if quick:  # three points, the largest 128: seconds on a CPU
+        if quick:  # small batches matter most to decode-bound traffic; the largest 128
             max_tok = min(max_tok, 128)
-        sizes = sorted({n for n in ([1, 32] if quick else [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048])
+        sizes = sorted({n for n in ([1, 2, 4, 8, 32] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048])
                         if n <= max_tok} | {max(1, max_tok)})
         fwd = []
         for n in sizes:
