@@ -178,3 +178,21 @@ class Engine(Protocol):
         """Append ``token_ids`` (a tool's result) to a paused context and let
         its generation continue."""
         ...
+
+    def set_pause_hint(self, context_id: ContextId, hint: PauseHint) -> None:
+        """Say what the coming (or current) pause of a generating context
+        waits for: the engine pauses by itself on ``pause_on``, before the
+        caller has parsed the call, so the tool name and its expected time
+        come separately.  Non-blocking; ignored if the context is gone."""
+        ...
+
+    async def park(self, context_id: ContextId, hint: Optional[PauseHint] = None) -> None:
+        """Put an idle context under the interception policy, as if a tool
+        call intercepted it (a client-side tool call); a later fill,
+        generate, fork or free of it ends the interception."""
+        ...
+
+    async def computed_tokens(self, context_id: ContextId) -> int:
+        """Tokens of the context whose KV is kept (on the device or swapped
+        out): what a follow-up extending it would not prefill again."""
+        ...

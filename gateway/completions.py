@@ -519,9 +519,7 @@ def _hint_pause(engine: Any, ctx: Any, tool: str, durations: Any) -> None:
     """Tell the engine which tool the coming pause waits for and how long it
     is expected to take (the engine pauses by itself at the call's end marker,
     before the gateway could say so; it learns the actual time itself)."""
-    set_hint = getattr(engine, "set_pause_hint", None)  # TODO(#8): requested from the engine
-    if set_hint is not None:
-        set_hint(ctx, PauseHint(tool=tool, expected_duration_s=durations.estimate(tool)))
+    engine.set_pause_hint(ctx, PauseHint(tool=tool, expected_duration_s=durations.estimate(tool)))
 
 
 def fit_results(tokenizer: Any, fmt: Any, texts: List[str],

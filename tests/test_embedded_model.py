@@ -2,6 +2,7 @@
 output equals transformers' token for token; chat template, stop strings,
 pause strings and the CLI."""
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -82,6 +83,39 @@ def test_stop_string_and_pause_on(smol_engine):
     assert before.endswith("Paris")  # nothing decoded past the pause string
     after = "".join(e.text for e in paused[pause_idx + 1:])
     assert "Rome" in after  # decoding went on from the appended tokens
+
+
+def test_pause_on_carries_the_hint_set_while_decoding(smol_engine):
+    """A pause the engine takes by itself (pause_on) waits under the tool
+    named by set_pause_hint: the policy sees it, and the duration is learned
+    under that name, once (the next pause has no hint left over)."""
+    from interlace.engine_ext.protocol import PauseHint
+
+    tok = smol_engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    durations = smol_engine.interception.durations
+    seen = []
+
+    async def go():
+        await smol_engine.fill("h", ids)
+        smol_engine.set_pause_hint("h", PauseHint(tool="ignored"))  # not generating: nothing to hint
+        async for e in smol_engine.generate("h", SamplingParams(max_tokens=40, pause_on=["Paris", "Rome"])):
+            if not seen and not e.paused:  # decoding: as the gateway does once it parses a call's name
+                smol_engine.set_pause_hint("h", PauseHint(tool="capital-lookup", expected_duration_s=7.0))
+            if e.paused:
+                seen.append(smol_engine.contexts["h"].intercept.hint)
+                await asyncio.sleep(0.1)
+                await smol_engine.resume("h", tok.encode("? No, sorry: the capital of Italy is"))
+        await smol_engine.free_context("h")
+
+    assert durations.estimate("capital-lookup") is None
+    run(go())
+    assert len(seen) >= 2, "expected a pause on Paris, then on Rome"
+    assert seen[0].tool == "capital-lookup" and seen[0].expected_duration_s == 7.0
+    assert all(h.tool is None for h in seen[1:])
+    assert 0.1 <= durations.estimate("capital-lookup") < 5.0
+    with pytest.raises(TypeError):
+        smol_engine.set_pause_hint("h", {"tool": "x"})
 
 
 def test_cli_generate(smol_dir):

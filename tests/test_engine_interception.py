@@ -197,6 +197,25 @@ def test_tool_duration_learned_from_pause_to_resume(tiny_dirs):
     assert est is not None and 0.2 <= est < 5.0
 
 
+def test_hint_given_after_the_pause_names_the_call(tiny_dirs):
+    """The engine may pause (pause_on) before the gateway has parsed the
+    call: a hint set while paused still names the tool learned at resume."""
+    policy = make_interception("preserve")
+    with engine(tiny_dirs, policy) as eng:
+        async def late(cid):
+            eng.set_pause_hint(cid, PauseHint(tool="late", expected_duration_s=3.0))
+            await asyncio.sleep(0.05)
+            assert eng.contexts[cid].intercept.hint.tool == "late"
+
+        async def go():
+            await agent(eng, "a", hint=PauseHint(tool="early"), gap=0.1, on_paused=late)
+            await drained(eng)
+
+        run(go())
+    assert policy.durations.estimate("early") is None
+    assert 0.1 <= policy.durations.estimate("late") < 5.0
+
+
 def test_host_pool_too_small_falls_back_to_discard(tiny_dirs):
     with engine(tiny_dirs, make_interception("swap"), host_pool_tokens=BS) as eng:  # one host block
         async def go():

@@ -1,6 +1,11 @@
 """Property tests: several workers drive the engine at once, each with a
-random program of fill / fork / generate / pause-resume / free on its own
-contexts (forks read anyone's).  Every result is checked: lengths and token
+random program of fill / fork / generate / pause-resume / park / free on
+its own contexts (forks read anyone's), under each interception handling:
+preserve, discard (chunked recomputation), swap through the host pool with
+a one-block-per-step budget, and InferCept's min-waste choice among them
+(the hints' expected tool times make it choose each).  Parking is the
+client-side retention: the next operation on a parked context, or a fork
+from it, must find it as it was.  Every result is checked: lengths and token
 lists against each worker's own model of its contexts, logits after a fill
 and every greedily generated token against the transformers reference, the
 block invariants after every operation, and nothing leaked at the end.
@@ -22,29 +27,38 @@ from hypothesis import strategies as st
 
 from interlace.engine_ext import errors as E
 from interlace.engine_ext.native.engine import NativeEngine
-from interlace.engine_ext.policies import Discard, Preserve
-from interlace.engine_ext.protocol import SamplingParams
+from interlace.engine_ext.policies import Profile, make_interception
+from interlace.engine_ext.protocol import PauseHint, SamplingParams
 
 LIMIT = 60
 WORKERS = 3
 OWN = 2  # contexts per worker: worker w owns c{2w}, c{2w+1}
 TOK = st.lists(st.integers(0, 319), min_size=1, max_size=14)
+WAITS = [0.0, 0.02]                  # seconds a tool (or client) takes: 0.02 lets a few steps plan it
+EXPECTED = [None, 0.001, 2.0, 8.0, 100.0]  # expected tool s: unknown, short (preserve), no time to swap, long
 OP = st.one_of(
     st.tuples(st.just("fill"), st.integers(0, OWN - 1), TOK),
     st.tuples(st.just("fork"), st.integers(0, WORKERS * OWN - 1), st.integers(0, OWN - 1),
               st.lists(st.integers(0, 319), max_size=6)),
     st.tuples(st.just("generate"), st.integers(0, OWN - 1), st.integers(1, 10)),
-    st.tuples(st.just("intercept"), st.integers(0, OWN - 1), st.integers(1, 3), TOK),
+    st.tuples(st.just("intercept"), st.integers(0, OWN - 1), TOK, st.integers(1, 3), TOK, st.sampled_from(WAITS),
+              st.sampled_from(EXPECTED)),
+    st.tuples(st.just("park"), st.integers(0, OWN - 1), st.sampled_from(WAITS), st.sampled_from(EXPECTED)),
     st.tuples(st.just("free"), st.integers(0, OWN - 1)),
 )
 
+# one forward pass "takes" 1 s and moving one block 1 s: swaps go one block per step
+SLOW_LINK = Profile(model="tiny", device="test", source="derived (test)", block_size=4, kv_bytes_per_token=1,
+                    kv_capacity_tokens=64, max_batched_tokens=16, fwd_tokens=(1, 1000), fwd_seconds=(1.0, 1.0),
+                    fwd_s_per_context_token=0.0, swap_s_per_block=1.0, saturation_tokens=8)
 
-@pytest.fixture(scope="module", params=["preserve", "discard"])
+
+@pytest.fixture(scope="module", params=["preserve", "discard-chunked", "swap", "infercept"])
 def engine(request, tiny_dirs):
-    policy = Preserve() if request.param == "preserve" else Discard()
-    # a small cache so preemption and prefix-cache eviction happen too
+    policy = make_interception(request.param, SLOW_LINK)
+    # a small cache so preemption and prefix-cache eviction happen too; a host pool of 4 blocks, often full
     e = NativeEngine.load(tiny_dirs["llama"][0], block_size=4, num_blocks=16, max_model_len=LIMIT,
-                          interception=policy, max_batched_tokens=16)
+                          interception=policy, max_batched_tokens=16, host_pool_tokens=16)
     yield e
     e.close()
 
@@ -136,8 +150,10 @@ class Worker:
         self.known[cid] = seq
         self.check_greedy(seq, range(len(have), len(seq)))
 
-    async def intercept(self, i, n, tool):
-        """Generate, pause after ``n`` tokens, resume with a tool result, finish."""
+    async def intercept(self, i, prompt, n, tool, wait, expected):
+        """Fill ``prompt``, generate, pause after ``n`` tokens, resume with
+        a tool result after ``wait`` s, finish."""
+        await self.fill(i, prompt)
         cid, have = self.ids[i], self.known[self.ids[i]]
         if have is None or len(have) >= LIMIT:
             return await self.generate(i, n)
@@ -150,6 +166,7 @@ class Worker:
                     gen_pos.append(len(seq) - 1)
                 if ev.paused:
                     assert not pause_refused
+                    await asyncio.sleep(wait)
                     if len(seq) + len(tool) + 1 > LIMIT:
                         with pytest.raises(E.ContextTooLong):
                             await self.eng.resume(cid, tool)
@@ -159,7 +176,7 @@ class Worker:
                     resumed = True
                 elif ev.finish_reason is None and len(gen_pos) == n and not resumed:
                     try:
-                        await self.eng.pause(cid)
+                        await self.eng.pause(cid, PauseHint(tool="t", expected_duration_s=expected))
                     except E.InvalidContextState:  # finished (length) before the pause arrived
                         pause_refused = True
         finally:
@@ -167,6 +184,18 @@ class Worker:
         assert await self.eng.context_tokens(cid) == seq
         self.known[cid] = seq
         self.check_greedy(seq, gen_pos)
+
+    async def park(self, i, wait, expected):
+        """Leave an idle context as a client-side tool call leaves it."""
+        cid, have = self.ids[i], self.known[self.ids[i]]
+        if have is None:
+            with pytest.raises(E.ContextNotFound):
+                await self.eng.park(cid)
+            return
+        await self.eng.park(cid, PauseHint(tool="client", expected_duration_s=expected))
+        await asyncio.sleep(wait)
+        assert await self.eng.context_tokens(cid) == have
+        assert await self.eng.computed_tokens(cid) <= len(have)
 
     async def free(self, i):
         cid = self.ids[i]
@@ -181,7 +210,7 @@ class Worker:
             assert await self.eng.context_tokens(cid) == self.known[cid]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(programs=st.lists(st.lists(OP, max_size=8), min_size=WORKERS, max_size=WORKERS))
 def test_concurrent_random_operations(engine, ref_model, programs):
     async def go():
@@ -197,7 +226,19 @@ def test_concurrent_random_operations(engine, ref_model, programs):
                 except E.ContextHasChildren:
                     pass
         st_ = await engine.check_invariants()
-        assert st_["contexts"] == 0
-        assert st_["used_blocks"] == 0  # zero leaked blocks
+        assert st_["contexts"] == 0 and st_["intercepted"] == 0
+        assert st_["used_blocks"] == 0 and st_["host_used_blocks"] == 0  # zero leaked blocks
 
     asyncio.run(go())
+
+
+WANTED = {"preserve": {"preserve"}, "discard-chunked": {"discard"}, "swap": {"swap"},
+          "infercept": {"preserve", "swap", "discard"}}
+
+
+def test_the_programs_exercised_each_handling(engine, request):
+    """The random programs above really intercepted under this policy (runs
+    after them on the same engine)."""
+    name = request.node.callspec.params["engine"]
+    done = {h for h, n in engine.stats["handlings"].items() if n}
+    assert WANTED[name] <= done, f"{name}: handlings seen {done}"

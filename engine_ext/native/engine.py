@@ -264,6 +264,11 @@ class NativeEngine:
     async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
         await self._call(self._cmd_resume, context_id, list(token_ids))
 
+    def set_pause_hint(self, context_id: Hashable, hint: PauseHint) -> None:
+        if not isinstance(hint, PauseHint):
+            raise TypeError(f"hint must be a PauseHint, got {type(hint).__name__}")
+        self._post(lambda: self._cmd_set_pause_hint(context_id, hint))
+
     async def park(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
         """Put an idle context under the interception policy as if a tool
         call had intercepted it (a client-side tool call: the follow-up
@@ -678,6 +683,15 @@ class NativeEngine:
                         **self.blocks.stats})
 
     # ------------------------------------------------------------ interception
+    def _cmd_set_pause_hint(self, cid, hint: PauseHint) -> None:
+        ctx = self.contexts.get(cid)
+        if ctx is None or ctx.gen is None or ctx.gen.done:
+            return
+        if ctx.intercept is not None and not ctx.intercept.parked:
+            ctx.intercept.hint = hint  # paused already: later plans and the duration learned use it
+        else:
+            ctx.gen.pause_hint = hint
+
     def _cmd_park(self, fut, cid, hint: Optional[PauseHint]) -> None:
         ctx = self._get(cid)
         if hint is not None and not isinstance(hint, PauseHint):
@@ -914,7 +928,8 @@ class NativeEngine:
             hit = any(s in window and window.rfind(s) + len(s) > len(gen.tail) for s in sp.pause_on)
             gen.tail = window[-max(len(s) for s in sp.pause_on):]
             if hit:  # _pause emits the held-back text too
-                self._pause(ctx, PauseHint(), TokenEvent(tok, text, lp))
+                hint, gen.pause_hint = gen.pause_hint or PauseHint(), None
+                self._pause(ctx, hint, TokenEvent(tok, text, lp))
                 return
         gen.emit(TokenEvent(tok, text, lp))
         if ctx not in self.scheduler.active:

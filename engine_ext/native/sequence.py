@@ -32,6 +32,7 @@ class Generation:
     tail: str = ""                        # recent text, to find pause strings spanning tokens
     paused: bool = False
     done: bool = False
+    pause_hint: Any = None                # PauseHint for the next pause_on pause (set_pause_hint)
 
 
 @dataclass(eq=False)
