@@ -490,6 +490,36 @@ def summary_lines(rates: Sequence[float], grid: Dict[float, Dict[str, Dict[str, 
     return lines
 
 
+ORDER_METRICS = (("norm_latency_p50", "p50 normalized latency"), ("e2e_mean", "mean e2e"))
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's tau-a of two scorings of the same items: 1 = same order."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    if not pairs:
+        return 1.0
+    agree = sum(((a[i] > a[j]) - (a[i] < a[j])) * ((b[i] > b[j]) - (b[i] < b[j])) for i, j in pairs)
+    return agree / len(pairs)
+
+
+def order_lines(rates: Sequence[float], native: Dict[float, Dict[str, Dict[str, Any]]],
+                sim: Dict[float, Dict[str, Dict[str, Any]]]) -> List[str]:
+    """Per rate and metric: the variants from best to worst on the engine
+    and in the simulator, Kendall's tau between them, and each variant's
+    simulator/engine ratio (the simulator's validation on this machine)."""
+    lines = ["", "order of the variants, best first (native engine | simulator, same trace and profile):"]
+    for r in rates:
+        names = [n for n in sim[r] if native[r][n].get("norm_latency_p50") is not None]
+        for key, label in ORDER_METRICS:
+            a = [native[r][n][key] for n in names]
+            b = [sim[r][n][key] for n in names]
+            by = lambda vals: " < ".join(n for _, n in sorted(zip(vals, names)))  # noqa: E731
+            ratios = ", ".join(f"{n} {sb / sa:.2f}" for n, sa, sb in zip(names, a, b) if sa)
+            lines.append(f"rate {r:g}, {label}: native {by(a)} | sim {by(b)}; Kendall tau {kendall_tau(a, b):+.2f}; "
+                         f"sim/native {ratios}")
+    return lines
+
+
 def plot_rates(rates: Sequence[float], grid, names: Sequence[str], title: str, path: str,
                dupes: Dict[str, str]) -> None:
     """InferCept Figure 2's panels: p50 normalized latency, mean end-to-end
@@ -575,6 +605,9 @@ def add_trace_arguments(ap: argparse.ArgumentParser) -> None:
                                                          "steadier on a shared 2-core machine)")
     ap.add_argument("--max-batched-tokens", type=int, default=512, help="native: tokens per step")
     ap.add_argument("--host-pool-tokens", type=int, help="native: swap pool (default: the engine's)")
+    ap.add_argument("--with-sim", action="store_true",
+                    help="native: also simulate the same traces with the same profile, and print both orders "
+                         "of the variants and the simulator/engine ratios (the simulator's validation)")
     ap.add_argument("--out-png", help="save the plot here")
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
                     help="write all results as JSON to PATH (bare --json: print the JSON instead of tables)")
@@ -686,8 +719,11 @@ def _run(args: argparse.Namespace) -> int:
                   f"{args.max_batched_tokens} tokens/step; policies' profile: {profile.source}; trace {args.trace} "
                   f"({n_desc}, seed {args.seed}, max context {args.max_context}, max calls "
                   f"{args.max_calls}, call times x{args.time_scale:g})")
+        sim_grid: Dict[float, Dict[str, Dict[str, Any]]] = {}
         for r in rates:
             tr = traces.with_poisson_arrivals(per_rate(base, r), r, args.seed)
+            if args.with_sim:
+                sim_grid[r] = {n: run_sim_variant(tr, profile, variants[n]) for n in names if n not in dupes}
             grid[r] = {}
             for n in names:
                 if n in dupes:
@@ -714,6 +750,9 @@ def _run(args: argparse.Namespace) -> int:
             print("", file=out)
             for ln in lines:
                 print(ln, file=out)
+    if not args.sim and args.with_sim:
+        for ln in order_lines(rates, grid, sim_grid):
+            print(ln, file=out)
     notes = sorted({n for r in rates for v in grid[r].values() for n in v.get("notes", [])})
     for n in notes:
         print(f"note: {n}", file=out)
@@ -725,6 +764,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"plot saved to {args.out_png}", file=out)
     result = {"header": header, "machine": mach, "rates": rates, "variants": {n: variants[n].__dict__ for n in names},
               "same_as": dupes, "results": {str(r): grid[r] for r in rates}}
+    if not args.sim and args.with_sim:
+        result["simulated"] = {str(r): sim_grid[r] for r in rates}
     if args.json and not to_json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
     elif to_json:

@@ -210,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_arguments(sm)
     sm.set_defaults(fn=run_sim)
 
-    pr = sub.add_parser("profile", help="measure forward, swap and saturation times of a model here (JSON)")
-    pr.add_argument("rest", nargs=argparse.REMAINDER)
+    pr = sub.add_parser("profile", help="measure forward, swap and saturation times of a model here (JSON)",
+                        add_help=False)  # its own parser (imported lazily: torch) reads the rest, --help too
     pr.set_defaults(fn=cmd_profile)
     return p
 
@@ -226,7 +226,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.fn is cmd_profile:
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.fn(args)
     except UserError as e:

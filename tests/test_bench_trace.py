@@ -67,3 +67,17 @@ def test_sustainable_rate_interpolates():
     assert sr([1, 2, 4], [0.1, 0.2, 0.6], 0.4) == 3.0  # halfway between 0.2 at 2 and 0.6 at 4
     assert sr([1, 2, 4], [0.1, 0.2, 0.3], 0.4) == 4    # never crossed: the top rate (a lower bound)
     assert sr([1, 2, 4], [0.5, 0.6, 0.7], 0.4) is None  # missed even at the lowest rate
+
+
+def test_kendall_tau_and_order_lines():
+    kt = bench_trace.kendall_tau
+    assert kt([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kt([1, 2, 3], [30, 20, 10]) == -1.0
+    assert kt([1, 2, 3], [10, 30, 20]) == 1 / 3  # one of three pairs swapped
+    native = {1.0: {"a": {"norm_latency_p50": 0.2, "e2e_mean": 5.0}, "b": {"norm_latency_p50": 0.1, "e2e_mean": 4.0}}}
+    sim = {1.0: {"a": {"norm_latency_p50": 0.3, "e2e_mean": 3.0}, "b": {"norm_latency_p50": 0.15, "e2e_mean": 6.0}}}
+    lines = bench_trace.order_lines([1.0], native, sim)
+    p50 = next(ln for ln in lines if "p50" in ln)
+    e2e = next(ln for ln in lines if "mean e2e" in ln)
+    assert "native b < a | sim b < a; Kendall tau +1.00; sim/native a 1.50, b 1.50" in p50
+    assert "native b < a | sim a < b; Kendall tau -1.00" in e2e
