@@ -216,6 +216,56 @@ def test_hint_given_after_the_pause_names_the_call(tiny_dirs):
     assert 0.1 <= policy.durations.estimate("late") < 5.0
 
 
+def test_a_new_request_waits_rather_than_drop_a_preserved_context(tiny_dirs):
+    """Preserve means preserve: while another request decodes, a newcomer
+    that does not fit waits for memory instead of dropping the paused
+    context's KV (which would turn preserve into discard behind the
+    policy's back); it gets in once the decode is done.  (Its prompt is one
+    chunk here: admission checks the first chunk, as the simulator's.)"""
+    with engine(tiny_dirs, make_interception("preserve"), num_blocks=16, max_batched_tokens=64) as eng:  # 64 tokens
+        async def go():
+            await eng.fill("p", list(range(5, 29)))  # 24 tokens
+            paused = asyncio.Event()
+            resume = asyncio.Event()
+
+            async def tool_user():
+                asked = False
+                async for ev in eng.generate("p", SamplingParams(max_tokens=20, **SP)):
+                    if ev.paused:
+                        paused.set()
+                        await resume.wait()
+                        await eng.resume("p", [40, 41])
+                    elif not asked and ev.finish_reason is None:
+                        asked = True
+                        await eng.pause("p", PauseHint(tool="t", expected_duration_s=100.0))
+
+            user = asyncio.create_task(tool_user())
+            await paused.wait()
+            held = await eng.computed_tokens("p")
+            await eng.fill("r", list(range(50, 58)))
+            first = asyncio.Event()
+            order = []
+
+            async def decoder():
+                async for ev in eng.generate("r", SamplingParams(max_tokens=16, **SP)):
+                    first.set()
+                order.append("r done")
+
+            dec = asyncio.create_task(decoder())
+            await first.wait()
+            await eng.fill("n", list(range(60, 88)))  # 28 tokens: fits only once r's KV can go
+            order.append("n filled")
+            assert await eng.computed_tokens("p") == held and held >= 25
+            await dec
+            resume.set()
+            await user
+            return order
+
+        order = run(go())
+    assert order == ["r done", "n filled"]
+    assert eng.stats["recomputed_tokens"] == 0
+
+
 def test_host_pool_too_small_falls_back_to_discard(tiny_dirs):
     with engine(tiny_dirs, make_interception("swap"), host_pool_tokens=BS) as eng:  # one host block
         async def go():

@@ -9,7 +9,11 @@ When the KV cache has no room, a context's KV is dropped to make some:
 first idle contexts' (least recently used first), then paused ones', then the
 lowest-ranked active context's (preemption by recompute), skipping any whose
 blocks are all shared with contexts that keep theirs (dropping it would free
-nothing).  A dropped context keeps its tokens and is recomputed when next
+nothing).  Admitting a context with nothing computed (a new request, a
+discarded or preempted one) never drops a paused context's KV while
+anything else runs this step: the interception policy chose to keep it,
+and the newcomer waits, as in InferCept (and the simulator); only a step
+that would otherwise run nothing takes it (a paused call may never return).  A dropped context keeps its tokens and is recomputed when next
 used; its full blocks stay in the prefix cache until evicted, so that is
 often cheap.
 
@@ -29,7 +33,7 @@ from typing import Callable, Iterable, List, Optional, Set, Tuple
 from ..errors import KVCacheExhausted
 from ..policies.ranking import FCFS, RankingPolicy, RankState
 from .block_manager import BlockManager, OutOfBlocks
-from .sequence import Context
+from .sequence import Context, State
 
 
 @dataclass
@@ -109,6 +113,7 @@ class Scheduler:
                 break
             if ctx in scheduled:
                 continue
+            waiting = ctx.num_computed == 0  # not admitted yet (the sim's WAITING): new, discarded, preempted
             if not ctx.table.blocks and ctx.num_computed == 0:
                 ctx.num_computed = self.blocks.match_prefix(ctx.table, ctx.token_ids)
             n = min(ctx.num_uncomputed, budget)
@@ -120,7 +125,7 @@ class Scheduler:
                     batch.copies += self.blocks.prepare_append(ctx.table, start, start + n)
                     break
                 except OutOfBlocks:
-                    victim = self._victim(ctx, order, scheduled)
+                    victim = self._victim(ctx, order, scheduled, spare_paused=waiting and bool(batch.chunks))
                     if victim is None:
                         break
                     self.preempt(victim)
@@ -138,7 +143,8 @@ class Scheduler:
         self.ranking.observe([ch.ctx for ch in batch.chunks], [c for c in order if c not in scheduled])
         return batch
 
-    def _victim(self, ctx: Context, order: List[Context], scheduled: Set[Context]) -> Optional[Context]:
+    def _victim(self, ctx: Context, order: List[Context], scheduled: Set[Context],
+                spare_paused: bool = False) -> Optional[Context]:
         """The first context, in drop order, whose KV it helps to drop.
 
         A block is freed only when its last holder lets go, so dropping a
@@ -147,7 +153,8 @@ class Scheduler:
         the holders of one of its blocks are droppable too (then dropping
         them one after the other does free it).
         """
-        candidates = [v for v in self.inactive() if v.table.blocks and v is not ctx]
+        candidates = [v for v in self.inactive() if v.table.blocks and v is not ctx
+                      and not (spare_paused and v.state is State.PAUSED)]
         candidates += [v for v in reversed(order) if v is not ctx and v not in scheduled and v.table.blocks]
         # blocks moving to or from the host are busy: not dropped mid-copy
         candidates = [v for v in dict.fromkeys(candidates) if not v.swap_ops]
