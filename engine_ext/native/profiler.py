@@ -1,8 +1,12 @@
 """``interlace profile``: measure the cost model (:class:`Profile`) of one
 model on this device, with the engine's own forward pass and swap copies.
 
-* forward time vs batched tokens: one prefill chunk of n tokens (n from 1 to
-  ``max_batched_tokens``, a few points, the median of a few runs each);
+* forward time vs batched tokens (n from 1 to ``max_batched_tokens``, a few
+  points, the median of a few runs each): up to 16 tokens, a batch of n
+  decodes of n contexts (each attending one block), which is what small
+  batches are in decode-bound traffic and costs more than one n-token
+  prefill chunk (a row per sequence: ~30% more at 4-8 rows on the embedded
+  model); above, one prefill chunk of n tokens;
 * forward time vs attended context: a batch of decodes over short and long
   contexts; the slope per context token (summed over the batch);
 * swap time per block, out and in (averaged over a batch of blocks);
@@ -34,6 +38,7 @@ from .scheduler import Batch, ScheduledChunk
 from .sequence import Context
 
 SATURATION_TOLERANCE = 0.15
+DECODE_ROWS_UP_TO = 16  # batch sizes measured as decode rows rather than one prefill chunk
 
 
 def _device_name(engine) -> str:
@@ -95,9 +100,15 @@ def _measure(engine, quick: bool) -> dict:
                         if n <= max_tok} | {max(1, max_tok)})
         fwd = []
         for n in sizes:
-            ctx = Context("profile", [1] * n, table(n))
-            fwd.append((n, timed(Batch([ScheduledChunk(ctx, 0, n)]), reps)))
-            bm.release(ctx.table)
+            if n <= DECODE_ROWS_UP_TO:  # n decodes of n contexts (each attending one block): what small batches are
+                ctxs = [Context(f"p{i}", [1] * (bs + 1), table(bs + 1)) for i in range(n)]
+                batch = Batch([ScheduledChunk(c, bs, 1) for c in ctxs])
+            else:  # one prefill chunk of n tokens
+                ctxs = [Context("profile", [1] * n, table(n))]
+                batch = Batch([ScheduledChunk(ctxs[0], 0, n)])
+            fwd.append((n, timed(batch, reps)))
+            for c in ctxs:
+                bm.release(c.table)
             taken.clear()
         # decodes over short vs long contexts: the attention term
         rows = 4
