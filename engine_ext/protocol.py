@@ -192,6 +192,11 @@ class Engine(Protocol):
         generate, fork or free of it ends the interception."""
         ...
 
+    async def truncate(self, context_id: ContextId, num_tokens: int) -> int:
+        """Cut an idle context back to its first ``num_tokens`` tokens,
+        keeping what KV it can; returns the tokens whose KV is kept."""
+        ...
+
     async def computed_tokens(self, context_id: ContextId) -> int:
         """Tokens of the context whose KV is kept (on the device or swapped
         out): what a follow-up extending it would not prefill again."""

@@ -185,7 +185,10 @@ def engine_profile(engine: Any, name: str, host_pool_tokens: int = 0) -> Any:
         import torch
 
         device = torch.cuda.get_device_name(engine.device)
-    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{engine.name}-{dtype}-{device}-bs{engine.block_size}")
+    from ..engine_ext.native.profiler import METHOD, measure_profile
+
+    # METHOD changes when the measurement does: a profile cached by an older method is measured again
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{engine.name}-{dtype}-{device}-bs{engine.block_size}-m{METHOD}")
     path = cache_root() / "profiles" / f"{key}.json"
     profile = None
     if path.is_file():
@@ -194,8 +197,6 @@ def engine_profile(engine: Any, name: str, host_pool_tokens: int = 0) -> Any:
         except ProfileError as e:  # our own cache: measure again
             log.warning("ignoring the cached profile %s: %s", path, e)
     if profile is None:
-        from ..engine_ext.native.profiler import measure_profile
-
         log.warning("measuring a profile of %s (once; cached in %s)", key, path)
         profile = measure_profile(engine, quick=True)
         path.parent.mkdir(parents=True, exist_ok=True)

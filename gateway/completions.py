@@ -394,8 +394,10 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
         if adopted is not None:
             ctx = adopted.ctx
             try:
+                if adopted.matched < len(adopted.tokens):  # the reply re-rendered differently from there on
+                    await engine.truncate(ctx, adopted.matched)
                 held = await engine.computed_tokens(ctx)
-                await engine.fill(ctx, plan.prompt_ids[len(adopted.tokens):])
+                await engine.fill(ctx, plan.prompt_ids[adopted.matched:])
                 cached = held
                 store.adopted(held)
             except EngineError as e:  # never fail the follow-up for it: prefill as a new request

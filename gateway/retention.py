@@ -24,11 +24,11 @@ reply and the end-of-turn token it generated.  With the Hermes format and a
 chat template such as SmolLM2's, the follow-up renders the assistant turn
 exactly as the model wrote it when the model writes the call in the format's
 canonical JSON (``{"name": ..., "arguments": {...}}`` with ``", "`` and
-``": "`` separators), which is what its instructions show; a reply written
-differently (other spacing, key order) re-renders differently from the
-first differing token on: the request is prefilled as a new one (the
-engine's prefix cache still reuses the full blocks before the difference)
-and the retained context, which can never match, is freed.
+``": "`` separators), which is what its instructions show.  A reply written
+or tokenized differently (other spacing, key order, another split of the
+same text) re-renders differently from some token on: the context is then
+truncated to the whole blocks before that token (``engine.truncate``) and
+adopted, so the prompt is still not prefilled again.
 All bookkeeping runs on the gateway's event loop.
 """
 
@@ -48,6 +48,11 @@ from ..engine_ext.protocol import PauseHint
 log = logging.getLogger(__name__)
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
+    return next((i for i in range(limit) if a[i] != b[i]), max(0, limit))
+
+
 def client_tool(name: Optional[str]) -> str:
     """The name a client-side call's gap is learned under."""
     return f"client:{name or ''}"
@@ -63,6 +68,7 @@ class Retained:
     tool: Optional[str]         # the first client-side call's name
     retained_at: float          # the store's clock
     prompt_len: int = 0         # tokens of the request's prompt (the rest is the model's reply)
+    matched: int = 0            # set by claim: the tokens the follow-up shares with it
 
 
 class RetentionStore:
@@ -93,20 +99,25 @@ class RetentionStore:
 
     # ------------------------------------------------------------ adoption
     def claim(self, owner: Optional[str], prompt_ids: Sequence[int]) -> Optional[Retained]:
-        """Take out the caller's retained context whose tokens are the longest
-        proper prefix of ``prompt_ids`` (None if there is none).  The caller
-        then owns the context: it fills the rest of the prompt into it, or
-        frees it."""
+        """Take out the caller's retained context that shares the longest
+        prefix with ``prompt_ids`` (None if there is none) and set its
+        ``matched`` tokens.  A context matches when the prompt starts with
+        all of its tokens, or with all of its own prompt's and then part of
+        the reply (the client rendered the reply differently from some
+        token on: the caller truncates the context to ``matched``).  At
+        least one prompt token is always left to fill.  The caller then
+        owns the context: it fills the rest of the prompt into it, or frees it."""
         self.expire()
         best: Optional[Retained] = None
         n = len(prompt_ids)
         for e in self.entries.values():
-            k = len(e.tokens)
-            if (e.owner == owner and k < n and (best is None or k > len(best.tokens))
-                    and tuple(prompt_ids[:k]) == e.tokens):
-                best = e
+            if e.owner != owner:
+                continue
+            k = _common_prefix(e.tokens, prompt_ids, min(len(e.tokens), n - 1))
+            if (k == len(e.tokens) or 0 < e.prompt_len <= k) and k > (best.matched if best else 0):
+                best, e.matched = e, k
+        self._drop_stale(owner, prompt_ids, best)
         if best is None:
-            self._drop_stale(owner, prompt_ids)
             if self.metrics is not None:
                 self.metrics.retention_lookup(self.model, hit=False)
             return None
@@ -115,17 +126,17 @@ class RetentionStore:
             self.metrics.retention_lookup(self.model, hit=True)
         return best
 
-    def _drop_stale(self, owner: Optional[str], prompt_ids: Sequence[int]) -> None:
-        """A follow-up that holds a retained context's whole prompt but then
-        differs inside the reply (the client re-rendered it differently) can
-        never adopt that context: free it now rather than at its TTL.  Its
-        full blocks stay in the engine's prefix cache for this very request."""
-        for e in [e for e in self.entries.values() if e.owner == owner and 0 < e.prompt_len < len(prompt_ids)]:
-            k = min(len(e.tokens), len(prompt_ids))
-            common = next((i for i in range(k) if e.tokens[i] != prompt_ids[i]), k)
-            if e.prompt_len <= common < len(e.tokens):
+    def _drop_stale(self, owner: Optional[str], prompt_ids: Sequence[int], chosen: Optional[Retained]) -> None:
+        """Another retained context of this conversation (its whole prompt
+        repeated, then a different reply) that the follow-up did not adopt
+        can never be adopted later: free it now rather than at its TTL.
+        Its full blocks stay in the engine's prefix cache."""
+        for e in [e for e in self.entries.values() if e is not chosen and e.owner == owner
+                  and 0 < e.prompt_len < len(prompt_ids)]:
+            k = _common_prefix(e.tokens, prompt_ids, min(len(e.tokens), len(prompt_ids)))
+            if e.prompt_len <= k < len(e.tokens):
                 log.debug("retained context %r: the follow-up differs from the reply at token %d of %d",
-                          e.ctx, common - e.prompt_len, len(e.tokens) - e.prompt_len)
+                          e.ctx, k - e.prompt_len, len(e.tokens) - e.prompt_len)
                 self._evict(e, "mismatch")
 
     def adopted(self, saved_tokens: int) -> None:

@@ -76,12 +76,13 @@ def test_auto_profile_is_measured_once_then_cached(tmp_path, monkeypatch):
     calls = []
     prof = types.ModuleType("interlace.engine_ext.native.profiler")
     prof.measure_profile = lambda engine, quick=False: calls.append(quick) or measured
+    prof.METHOD = 7
     monkeypatch.setitem(sys.modules, prof.__name__, prof)
     first = engine_profile(fake_engine(), "auto", host_pool_tokens=512)
     second = engine_profile(fake_engine(), "auto", host_pool_tokens=512)
     assert calls == [True] and first == second  # measured once (quickly), then read from the cache
     (cached,) = (tmp_path / "profiles").iterdir()
-    assert cached.name == "tiny-float32-cpu-bs16.json"
+    assert cached.name == "tiny-float32-cpu-bs16-m7.json"  # a new measuring method measures again
     # the times are the model's and device's; the capacities are this engine's
     assert first.fwd_seconds == measured.fwd_seconds
     assert (first.kv_capacity_tokens, first.max_batched_tokens, first.host_capacity_tokens) == (1024, 128, 512)

@@ -434,6 +434,40 @@ def test_park_fork_and_free_unpark(tiny_dirs):
     assert ref is not None and kid == kid2
 
 
+def test_truncate_keeps_whole_blocks_and_stays_token_exact(tiny_dirs):
+    """A retained context cut back inside its reply: the KV of the whole
+    blocks before the cut is kept (not recomputed), the rest is filled, and
+    greedy decoding continues exactly as on a fresh context of the same
+    tokens; a parked context is un-parked; busy contexts and bad lengths
+    are refused; nothing leaks."""
+    with engine(tiny_dirs, make_interception("preserve")) as eng:
+        async def go():
+            prompt = PROMPTS["a"] + [15, 16, 17, 18, 19]            # 15 tokens
+            await eng.fill("t", prompt)
+            await eng.park("t", PauseHint(tool="client"))
+            kept = await eng.truncate("t", 11)                       # inside the third block
+            assert kept == 8 and await eng.computed_tokens("t") == 8
+            assert await eng.context_tokens("t") == prompt[:11] and not eng.intercepted
+            await eng.fill("t", [60, 61, 62])
+            out = [ev.token_id async for ev in eng.generate("t", SamplingParams(max_tokens=6, **SP))]
+            await eng.fill("f", prompt[:11] + [60, 61, 62])
+            ref = [ev.token_id async for ev in eng.generate("f", SamplingParams(max_tokens=6, **SP))]
+            with pytest.raises(ValueError):
+                await eng.truncate("t", 999)
+            with pytest.raises(ValueError):
+                await eng.truncate("t", -1)
+            stream = eng.generate("t", SamplingParams(max_tokens=30, **SP))
+            await stream.__anext__()
+            with pytest.raises(E.ContextBusy):
+                await eng.truncate("t", 3)
+            await stream.aclose()
+            await drained(eng)
+            return out, ref
+
+        out, ref = run(go())
+    assert out == ref
+
+
 def test_park_validates(tiny_dirs):
     with engine(tiny_dirs, make_interception("preserve")) as eng:
         async def go():

@@ -191,12 +191,12 @@ def test_store_limits_ttl_and_engine_errors():
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("replay,hit", [
+@pytest.mark.parametrize("replay,whole", [
     ("Let me check.\n" + CALL, True),       # text before the call: rendered back as the model wrote it
     (CALL + "\n" + CALL.replace("Paris", "Rome"), True),  # two calls
     (CALL.replace('", "', '","').replace('": ', '":'), False),  # not the canonical JSON: re-rendered differently
 ])
-def test_what_the_follow_up_matches(live, replay, hit):
+def test_what_the_follow_up_matches(live, replay, whole):
     alice = client(live, "alice-key")
     r = alice.chat.completions.create(model="smollm2", messages=USER, tools=[WEATHER], temperature=0, max_tokens=80,
                                       extra_body={"interlace": {"replay": replay}})
@@ -204,18 +204,29 @@ def test_what_the_follow_up_matches(live, replay, hit):
     history = USER + [m.model_dump(exclude_none=True)] + [
         {"role": "tool", "tool_call_id": t.id, "content": "sunny"} for t in m.tool_calls]
     r2 = alice.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER], max_tokens=2)
-    assert (r2.usage.prompt_tokens_details.cached_tokens > r.usage.prompt_tokens) is hit
-    assert len(store(live)) == 0  # adopted, or freed as one that can never match
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    held = r.usage.prompt_tokens + r.usage.completion_tokens - 1  # all but the reply's last token
+    bs = live.gateway.models["smollm2"].engine.block_size
+    if whole:
+        assert cached == held
+    else:  # adopted up to the whole blocks before the first differing token: the prompt at least
+        assert r.usage.prompt_tokens // bs * bs <= cached < held and cached % bs == 0
+    assert len(store(live)) == 0  # adopted
 
 
-def test_store_frees_a_context_the_follow_up_can_never_match():
+def test_store_adopts_a_reply_rendered_differently_up_to_the_difference():
     async def go():
         eng, clock, s = make()
         s.retain("alice", "a", [1, 2, 3, 4], "t", prompt_len=2)
         s.retain("alice", "other", [7, 8, 9], "t", prompt_len=2)
-        assert s.claim("alice", [1, 2, 3, 5, 6]) is None  # a's whole prompt, then a reply rendered differently
-        assert eng.freed == ["a"] and len(s) == 1
+        got = s.claim("alice", [1, 2, 3, 5, 6])  # a's whole prompt, then a reply rendered differently
+        assert got.ctx == "a" and got.matched == 3 and len(s) == 1
         s.retain("alice", "b", [1, 2, 3, 4], "t", prompt_len=2)
         assert s.claim("alice", [1, 2]) is None and len(s) == 2  # the same first prompt again: a new chat, kept
+        assert s.claim("alice", [1, 9, 9]) is None and len(s) == 2  # less than its prompt in common: kept
+        # two contexts of one conversation: the longer match is adopted, the other can never be: freed
+        s.retain("alice", "c", [1, 2, 3, 6, 6], "t", prompt_len=2)
+        got = s.claim("alice", [1, 2, 3, 6, 7, 8])
+        assert got.ctx == "c" and got.matched == 4 and "b" in eng.freed and len(s) == 1
         await s.close()
     asyncio.run(go())

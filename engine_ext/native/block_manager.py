@@ -143,6 +143,16 @@ class BlockManager:
         table.blocks.clear()
         table.hashes.clear()
 
+    def truncate(self, table: BlockTable, num_blocks: int) -> None:
+        """Keep only the table's first ``num_blocks`` blocks (a context cut
+        back to a block boundary).  The dropped blocks are released like a
+        preempted context's: hashed ones stay cached for their old tokens."""
+        for bid in reversed(table.blocks[num_blocks:]):
+            if bid >= 0:
+                self.decref(bid)
+        del table.blocks[num_blocks:]
+        del table.hashes[num_blocks:]
+
     def fork(self, table: BlockTable) -> BlockTable:
         """A child's table shares every block of the parent's (all on the device)."""
         assert all(b >= 0 for b in table.blocks), "fork of a table with swapped-out blocks"

@@ -277,6 +277,14 @@ class NativeEngine:
         recomputed, transparently.  Parking a parked context updates its hint."""
         await self._call(self._cmd_park, context_id, hint)
 
+    async def truncate(self, context_id: Hashable, num_tokens: int) -> int:
+        """Cut an idle context back to its first ``num_tokens`` tokens,
+        keeping the KV of the whole blocks before the cut (a follow-up that
+        repeats a retained conversation but renders the model's reply
+        differently from some token on).  Ends a parked interception.
+        Returns the tokens whose KV is kept."""
+        return await self._call(self._cmd_truncate, context_id, num_tokens)
+
     async def computed_tokens(self, context_id: Hashable) -> int:
         """Tokens of the context whose KV is on the device or in the host
         pool: what a follow-up would not recompute."""
@@ -683,6 +691,23 @@ class NativeEngine:
                         **self.blocks.stats})
 
     # ------------------------------------------------------------ interception
+    def _cmd_truncate(self, fut, cid, n) -> None:
+        ctx = self._get(cid)
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(ctx.token_ids):
+            raise ValueError(f"num_tokens must be an integer in [0, {len(ctx.token_ids)}], got {n!r}")
+        if ctx.state is not State.IDLE or ctx.fill_waiters or ctx in self.scheduler.active:
+            raise E.ContextBusy(f"context {cid!r} is busy ({ctx.state.value}); truncate only idle contexts")
+        self._unpark(ctx)
+        if ctx.on_host:  # KV in (or on its way to or from) the host pool: recompute what is kept
+            self.scheduler.preempt(ctx)
+        keep = min(n, ctx.num_computed) // self.block_size
+        self.blocks.truncate(ctx.table, keep)
+        del ctx.token_ids[n:]
+        ctx.num_computed = min(ctx.num_computed, keep * self.block_size)
+        ctx.recompute_end = min(ctx.recompute_end, n)
+        ctx.last_logits = ctx.last_fill = None
+        fut.set_result(ctx.num_computed)
+
     def _cmd_set_pause_hint(self, cid, hint: PauseHint) -> None:
         ctx = self.contexts.get(cid)
         if ctx is None or ctx.gen is None or ctx.gen.done:

@@ -39,6 +39,7 @@ from .sequence import Context
 
 SATURATION_TOLERANCE = 0.15
 DECODE_ROWS_UP_TO = 16  # batch sizes measured as decode rows rather than one prefill chunk
+METHOD = 2  # bumped when the measurement changes (2: small batches as decode rows); keys cached profiles
 
 
 def _device_name(engine) -> str:
