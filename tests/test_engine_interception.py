@@ -520,3 +520,34 @@ def test_fixed_policy_by_tool(tiny_dirs):
         a, b, stats = run(go())
     assert stats["handlings"] == {"preserve": 1, "discard": 0, "swap": 1}
     assert reference(tiny_dirs, {"a": a, "b": b}) == {"a": a, "b": b}
+
+
+def test_a_swap_in_with_no_free_block_waits_while_other_work_runs():
+    """The host copy is kept and the swap-in waits for a device block while
+    other work runs (it will free blocks); only with nothing else running
+    is the context given up to recomputation, so the engine never stalls."""
+    import torch
+
+    from interlace.engine_ext.native.block_manager import BlockManager
+    from interlace.engine_ext.native.sequence import Context
+    from interlace.engine_ext.native.swap import Swapper
+
+    blocks = BlockManager(num_blocks=2, block_size=BS)
+    kv = torch.zeros(1, 2, 1, 2, BS, 1)
+    sw = Swapper(blocks, kv, host_blocks=2)
+    ctx = Context("a", list(range(8)))
+    ctx.table.blocks = [blocks.allocate(), blocks.allocate()]
+    ctx.num_computed = 8
+    assert sw.swap_out(ctx)
+    sw.issue(None)
+    sw.land()
+    assert ctx.table.blocks == [-1, -1] and blocks.num_free == 2
+    others = [blocks.allocate(), blocks.allocate()]  # another context took the device meanwhile
+    sw.swap_in(ctx)
+    n_out, n_in, failed = sw.issue(None, make_room=lambda: False, can_wait=True)
+    assert (n_in, failed) == (0, []) and len(sw.queue_in) == 2 and len(ctx.host) == 2  # waits, host copy kept
+    blocks.decref(others[0])                         # the other work freed a block
+    n_out, n_in, failed = sw.issue(None, make_room=lambda: False, can_wait=True)
+    assert (n_in, failed) == (1, []) and len(sw.queue_in) == 1
+    n_out, n_in, failed = sw.issue(None, make_room=lambda: False, can_wait=False)
+    assert failed == [ctx]                           # nothing else runs: recompute rather than stall

@@ -856,7 +856,7 @@ class NativeEngine:
             self.scheduler.preempt(victim)
             return True
 
-        n_out, n_in, failed = self.swap.issue(limit, make_room)
+        n_out, n_in, failed = self.swap.issue(limit, make_room, can_wait=bool(batch.chunks))
         for ctx in failed:  # no device block to come back to: recompute instead
             self.scheduler.preempt(ctx)
         self.stats["swap_out_blocks"] = self.swap.stats["swap_out_blocks"]

@@ -147,11 +147,14 @@ class Swapper:
         assert ctx.swap_ops == 0
 
     # ---------------------------------------------------------------- moves
-    def issue(self, limit_blocks: Optional[int], make_room=None) -> tuple:
+    def issue(self, limit_blocks: Optional[int], make_room=None, can_wait: bool = False) -> tuple:
         """Start up to ``limit_blocks`` moves (None: all queued), swap-ins
         first.  ``make_room()`` frees a device block for a swap-in or returns
-        False.  Returns (blocks out, blocks in, contexts whose swap-in could
-        not get a device block -- the caller discards them)."""
+        False.  A swap-in that gets no device block waits for one when
+        ``can_wait`` (other work runs and will free blocks: the host copy is
+        kept, as InferCept and the simulator do); otherwise its context is
+        returned as failed and the caller discards it (recomputation).
+        Returns (blocks out, blocks in, failed contexts)."""
         n_out = n_in = 0
         failed: List[Any] = []
         budget = limit_blocks if limit_blocks is not None else 1 << 60
@@ -169,6 +172,8 @@ class Swapper:
                 try:
                     dev = self._alloc(make_room)
                 except OutOfBlocks:
+                    if can_wait:
+                        break  # the queue keeps its order: the oldest swap-in gets the next free block
                     failed.append(op.ctx)
                     continue
                 self.queue_in.popleft()
