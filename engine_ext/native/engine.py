@@ -691,12 +691,16 @@ class NativeEngine:
                         **self.blocks.stats})
 
     # ------------------------------------------------------------ interception
+    def _require_idle(self, ctx: Context, what: str) -> None:
+        """Raise ContextBusy unless nothing runs on ``ctx`` (no generation, fill or step)."""
+        if ctx.state is not State.IDLE or ctx.fill_waiters or ctx in self.scheduler.active:
+            raise E.ContextBusy(f"context {ctx.id!r} is busy ({ctx.state.value}); {what} only idle contexts")
+
     def _cmd_truncate(self, fut, cid, n) -> None:
         ctx = self._get(cid)
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(ctx.token_ids):
             raise ValueError(f"num_tokens must be an integer in [0, {len(ctx.token_ids)}], got {n!r}")
-        if ctx.state is not State.IDLE or ctx.fill_waiters or ctx in self.scheduler.active:
-            raise E.ContextBusy(f"context {cid!r} is busy ({ctx.state.value}); truncate only idle contexts")
+        self._require_idle(ctx, "truncate")
         self._unpark(ctx)
         if ctx.on_host:  # KV in (or on its way to or from) the host pool: recompute what is kept
             self.scheduler.preempt(ctx)
@@ -721,8 +725,7 @@ class NativeEngine:
         ctx = self._get(cid)
         if hint is not None and not isinstance(hint, PauseHint):
             raise E.InvalidContextState(f"hint must be a PauseHint, got {type(hint).__name__}")
-        if ctx.state is not State.IDLE or ctx.fill_waiters or ctx in self.scheduler.active:
-            raise E.ContextBusy(f"context {cid!r} is busy ({ctx.state.value}); park only idle contexts")
+        self._require_idle(ctx, "park")
         if ctx.intercept is not None:
             ctx.intercept.hint = hint or PauseHint()
         else:
