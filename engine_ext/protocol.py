@@ -129,12 +129,17 @@ class RequestHint:
     (LAMPS): ``expected_output`` tokens before the next tool call or the end,
     the ``expected_tool`` that call makes and its ``expected_tool_s``
     seconds (None: unknown / no call).  ``app`` names the application the
-    prediction was learned for.  Seeds the request's ``SchedInfo``."""
+    prediction was learned for.  ``objective`` (``"latency"``,
+    ``"throughput"`` or None) and ``task_group`` are Parrot's deduced
+    scheduling preference (:mod:`engine_ext.policies.objectives`).  Seeds
+    the request's ``SchedInfo``."""
 
     app: Optional[str] = None
     expected_output: Optional[int] = None
     expected_tool: Optional[str] = None
     expected_tool_s: Optional[float] = None
+    objective: Optional[str] = None
+    task_group: Optional[str] = None
 
     def validate(self) -> None:
         eo, ts = self.expected_output, self.expected_tool_s
@@ -143,6 +148,10 @@ class RequestHint:
         if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not ts >= 0
                                or ts == float("inf")):
             raise InvalidSampling(f"hint.expected_tool_s must be a finite number >= 0 or None, got {ts!r}")
+        if self.objective not in (None, "latency", "throughput"):
+            raise InvalidSampling(f"hint.objective must be 'latency', 'throughput' or None, got {self.objective!r}")
+        if self.task_group is not None and not isinstance(self.task_group, str):
+            raise InvalidSampling(f"hint.task_group must be a string or None, got {self.task_group!r}")
 
 
 @runtime_checkable
@@ -152,10 +161,11 @@ class Engine(Protocol):
     from one event loop."""
 
     async def fill(self, context_id: ContextId, token_ids: Sequence[int],
-                   parent_context_id: Optional[ContextId] = None) -> int:
+                   parent_context_id: Optional[ContextId] = None, hint: Optional[RequestHint] = None) -> int:
         """Create (or fork from ``parent_context_id``) or extend a context and
         compute KV for the new tokens.  Returns the context's length.  If the
-        caller is cancelled, the fill is undone (safe to retry)."""
+        caller is cancelled, the fill is undone (safe to retry).  ``hint``'s
+        objective and task group rank the fill's prefill chunks."""
         ...
 
     def generate(self, context_id: ContextId, sampling: SamplingParams,
@@ -184,6 +194,12 @@ class Engine(Protocol):
         waits for: the engine pauses by itself on ``pause_on``, before the
         caller has parsed the call, so the tool name and its expected time
         come separately.  Non-blocking; ignored if the context is gone."""
+        ...
+
+    def set_request_hint(self, context_id: ContextId, hint: RequestHint) -> None:
+        """Update a live context's objective and task group (what the ranking
+        reads), e.g. when a criterion is deduced after the call started.
+        Non-blocking; ignored if the context is gone."""
         ...
 
     async def park(self, context_id: ContextId, hint: Optional[PauseHint] = None) -> None:

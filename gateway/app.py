@@ -5,6 +5,8 @@
     POST /v1/chat/completions  chat, tools, structured output, streaming
     GET  /v1/plugins           installed plugins, their tools and versions
     GET  /metrics              Prometheus metrics
+    GET  /openapi.json         the OpenAPI document of every endpoint
+    /v1/sessions/...           Semantic Variables (gateway/semantic_api.py)
 """
 
 from __future__ import annotations
@@ -36,8 +38,13 @@ from .config import GatewayConfig, ModelSpec
 from .http_guard import ClientGone
 from ..engine_ext.policies import OutputLengths, ToolDurations
 from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .openapi import openapi_document
 from .plan import build_plan
+from .config import may_use_tool
 from .retention import RetentionStore
+from .semantic import Services
+from .semantic_api import build_routes as semantic_routes
+from .sessions import SessionStore
 
 T = TypeVar("T")
 
@@ -98,6 +105,8 @@ class Gateway:
         self.host: Any = None
         self.runtime: Any = None
         self.parsers: Any = None
+        self.services: Any = None  # what semantic calls run on (gateway/semantic.py)
+        self.sessions: Any = None  # Semantic Variables sessions (gateway/sessions.py)
 
     async def start(self, app: Starlette) -> None:
         from ..parsers.base import ParserRegistry
@@ -129,12 +138,23 @@ class Gateway:
                 self.metrics.watch_engine(spec.name, lambda e=engine: e.blocks.num_used, engine.blocks.num_blocks)
             self.runtime = ToolRuntime(self.host.tools(), policy=self.host.before_tool_execution)
             await self.runtime.start()
+            self.services = Services(self.models, self.runtime, cfg.default_max_tokens,
+                                     may_use_tool=lambda caller, tool: may_use_tool(
+                                         guard_.permissions(cfg, caller)[0], tool))
+            self.sessions = SessionStore(self.services, cfg.sessions)
+            await self.sessions.start()
             self.host.startup(app)
         except BaseException:
             await self.stop()
             raise
 
     async def stop(self) -> None:
+        if self.sessions is not None:  # their calls use the engines and tools: first
+            await self.sessions.close()
+            self.sessions = None
+        if self.services is not None:
+            self.services.close()
+            self.services = None
         if self.runtime is not None:
             await self.runtime.close()
             self.runtime = None
@@ -152,7 +172,7 @@ def load_engine(spec: ModelSpec) -> Any:
     engine is built first and given its policies before it serves."""
     from ..engine_ext.embedded import embedded_model_dir
     from ..engine_ext.native.engine import NativeEngine
-    from ..engine_ext.policies import make_interception, make_ranking
+    from ..engine_ext.policies import ObjectiveRanking, make_interception, make_ranking
 
     path = embedded_model_dir() if spec.path == "embedded" else spec.path
     p = spec.policy
@@ -161,8 +181,10 @@ def load_engine(spec: ModelSpec) -> Any:
     try:
         profile = engine_profile(engine, p.profile, p.swap_space_tokens)
         interception = make_interception(p.interception, profile, ToolDurations())
-        ranking = make_ranking(p.ranking, profile, interception, starvation_threshold=p.starvation_threshold,
-                               refresh_interval=p.refresh_interval)
+        # Parrot's objectives (latency first, task groups together) around the configured ranking
+        ranking = ObjectiveRanking(make_ranking(p.ranking, profile, interception,
+                                                starvation_threshold=p.starvation_threshold,
+                                                refresh_interval=p.refresh_interval))
         engine.set_policies(interception=interception, ranking=ranking, profile=profile)
     except BaseException:
         engine.close()
@@ -302,12 +324,17 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
                                               "has the details", "server_error", code="internal_error").body(),
                             status_code=500)
 
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_document(routes))
+
     routes = [
         Route("/health", health),
         Route("/v1/models", models),
         Route("/v1/plugins", plugins_route),
         Route("/metrics", metrics),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/openapi.json", openapi),
+        *semantic_routes(gw, config, lambda request, status: gw.metrics.request(request.url.path, "", status)),
     ]
     middleware = [Middleware(guard_.OriginGuard, allowed=config.cors_origins)]
     if config.cors_origins:

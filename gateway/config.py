@@ -100,6 +100,17 @@ SCHEMA = {
                                        "description": "max_tokens of a request that does not say"},
                 "max_request_bytes": {"type": "integer", "minimum": 1024},
                 "max_tool_rounds": {"type": "integer", "minimum": 1, "maximum": 64},
+                "sessions": {
+                    "type": "object", "additionalProperties": False,
+                    "description": "Semantic Variables sessions (docs/semantic-variables.md)",
+                    "properties": {"enabled": {"type": "boolean"},
+                                   "ttl_s": {"type": "number", "exclusiveMinimum": 0,
+                                             "description": "idle seconds before a session is freed"},
+                                   "max_ttl_s": {"type": "number", "exclusiveMinimum": 0},
+                                   "max_sessions": {"type": "integer", "minimum": 1},
+                                   "max_variables": {"type": "integer", "minimum": 1},
+                                   "max_pending_calls": {"type": "integer", "minimum": 1},
+                                   "max_bytes": {"type": "integer", "minimum": 1024}}},
             },
         },
         "models": {"type": "object", "minProperties": 1,
@@ -195,6 +206,19 @@ def may_use_tool(permission: ServerTools, tool: str) -> bool:
     return permission is True or (isinstance(permission, list) and tool in permission)
 
 
+@dataclass(frozen=True)
+class SessionsConfig:
+    """``server.sessions``: Semantic Variables sessions (gateway/sessions.py)."""
+
+    enabled: bool = True
+    ttl_s: float = 600.0
+    max_ttl_s: float = 86400.0
+    max_sessions: int = 256
+    max_variables: int = 1024
+    max_pending_calls: int = 256
+    max_bytes: int = 16 * 1024 * 1024
+
+
 @dataclass
 class GatewayConfig:
     host: str
@@ -210,6 +234,7 @@ class GatewayConfig:
     replay: bool = False
     cors_origins: List[str] = field(default_factory=list)
     default_max_tokens: int = 1024
+    sessions: SessionsConfig = field(default_factory=SessionsConfig)
     source: str = "<dict>"
     raw: Dict[str, Any] = field(default_factory=dict)
     def check_parsers(self, installed: Iterable[str]) -> None:
@@ -286,7 +311,14 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                          max_request_bytes=server["max_request_bytes"], max_tool_rounds=server["max_tool_rounds"],
                          models=models, plugin_entrypoints=plugins["entrypoints"],
                          plugin_modules=list(plugins["modules"]), tools=dict(data.get("tools") or {}),
-                         source=source, raw=data)
+                         sessions=_sessions(server.get("sessions") or {}, source), source=source, raw=data)
+
+
+def _sessions(raw: Dict[str, Any], source: str) -> SessionsConfig:
+    cfg = SessionsConfig(**{k: (float(v) if k.endswith("_s") else v) for k, v in raw.items()})
+    if cfg.ttl_s > cfg.max_ttl_s:
+        raise ConfigError(f"{source}: server.sessions.ttl_s ({cfg.ttl_s}) exceeds max_ttl_s ({cfg.max_ttl_s})")
+    return cfg
 
 
 def _policy(defaults: Dict[str, Any], own: Dict[str, Any], kv_cache_tokens: int, where: str,

@@ -201,14 +201,15 @@ class NativeEngine:
 
     # ================================================================ public API
     async def fill(self, context_id: Hashable, token_ids: Sequence[int],
-                   parent_context_id: Optional[Hashable] = None) -> int:
+                   parent_context_id: Optional[Hashable] = None, hint: Optional[RequestHint] = None) -> int:
         """A fill whose caller is cancelled is undone (its tokens removed, a
         context it created dropped), so the caller can retry it safely.  The
         one exception: another call has already built on it (extended,
-        generated into the context), in which case it stays."""
+        generated into the context), in which case it stays.  ``hint``: the
+        objective and task group its prefill is ranked by."""
         op = FillOp(None)
         try:
-            return await self._call(self._cmd_fill, context_id, list(token_ids), parent_context_id, op)
+            return await self._call(self._cmd_fill, context_id, list(token_ids), parent_context_id, op, hint)
         except asyncio.CancelledError:
             self._post(lambda: self._undo_fill(op))
             raise
@@ -268,6 +269,20 @@ class NativeEngine:
         if not isinstance(hint, PauseHint):
             raise TypeError(f"hint must be a PauseHint, got {type(hint).__name__}")
         self._post(lambda: self._cmd_set_pause_hint(context_id, hint))
+
+    def set_request_hint(self, context_id: Hashable, hint: RequestHint) -> None:
+        """Update the objective and task group the ranking sees for a live
+        context (Parrot: a criterion deduced after the call was dispatched).
+        Non-blocking; ignored if the context is gone."""
+        if not isinstance(hint, RequestHint):
+            raise TypeError(f"hint must be a RequestHint, got {type(hint).__name__}")
+        hint.validate()
+
+        def apply() -> None:
+            ctx = self.contexts.get(context_id)
+            if ctx is not None:
+                ctx.sched.objective, ctx.sched.task_group = hint.objective, hint.task_group
+        self._post(apply)
 
     async def park(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
         """Put an idle context under the interception policy as if a tool
@@ -489,7 +504,8 @@ class NativeEngine:
         self.contexts[cid] = child
         return child
 
-    def _cmd_fill(self, fut, cid, tokens, parent_id, op: FillOp) -> None:
+    def _cmd_fill(self, fut, cid, tokens, parent_id, op: FillOp, hint: Optional[RequestHint] = None) -> None:
+        self._check_hint(hint)
         ctx = self.contexts.get(cid)
         created = parent_id is not None or ctx is None
         if created:
@@ -505,6 +521,8 @@ class NativeEngine:
             self._check_tokens(tokens, allow_empty=True)
             self._check_len(len(ctx.token_ids) + len(tokens))
             self._unpark(ctx)
+        if hint is not None:
+            ctx.sched.objective, ctx.sched.task_group = hint.objective, hint.task_group
         op.fut, op.ctx, op.created, op.rollback = fut, ctx, created, len(ctx.token_ids)
         ctx.token_ids += tokens
         op.end = len(ctx.token_ids)
@@ -559,10 +577,7 @@ class NativeEngine:
     def _cmd_generate(self, fut, cid, sampling: SamplingParams, parent_id, emit,
                       hint: Optional[RequestHint] = None) -> None:
         sampling.validate()
-        if hint is not None:
-            if not isinstance(hint, RequestHint):
-                raise E.InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
-            hint.validate()
+        self._check_hint(hint)
         if (sampling.stop or sampling.pause_on) and self.tokenizer is None:
             raise E.InvalidSampling("stop and pause_on strings need an engine with a tokenizer")
         if parent_id is not None:
@@ -587,6 +602,7 @@ class NativeEngine:
         if hint is not None:
             s.expected_output, s.expected_tool, s.expected_tool_s = (
                 hint.expected_output, hint.expected_tool, hint.expected_tool_s)
+            s.objective, s.task_group = hint.objective, hint.task_group
         ctx.last_fill = None  # generated tokens build on the last fill: it stays
         rng = None
         if not sampling.greedy:
@@ -598,6 +614,13 @@ class NativeEngine:
         ctx.gen = Generation(sampling, emit, detok, rng)
         self._activate(ctx)
         fut.set_result(ctx.gen)
+
+    @staticmethod
+    def _check_hint(hint: Optional[RequestHint]) -> None:
+        if hint is not None:
+            if not isinstance(hint, RequestHint):
+                raise E.InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
+            hint.validate()
 
     def _activate(self, ctx: Context) -> None:
         if ctx.num_uncomputed == 0 and ctx.last_logits is not None:

@@ -5,10 +5,11 @@ and baselines), the predictors they learn with, and the cost model."""
 from .costmodel import BUILTIN_PROFILES, Profile, ProfileError, roofline, unit_profile
 from .interception import (INTERCEPTION_NAMES, BatchState, Discard, Fixed, Handling, InterceptedContext,
                            InterceptionPolicy, MinWaste, Preserve, Swap, make_interception)
+from .objectives import ObjectiveRanking
 from .predictors import OutputLengths, ToolDurations
 from .ranking import FCFS, LAMPS, RANKING_NAMES, SJF, RankingPolicy, RankState, SchedInfo, SJFTotal, make_ranking
 
 __all__ = ["BUILTIN_PROFILES", "Profile", "ProfileError", "roofline", "unit_profile", "INTERCEPTION_NAMES",
-           "BatchState", "Discard", "Fixed", "Handling", "InterceptedContext", "InterceptionPolicy", "MinWaste",
+           "BatchState", "Discard", "Fixed", "Handling", "InterceptedContext", "InterceptionPolicy", "MinWaste", "ObjectiveRanking",
            "Preserve", "Swap", "make_interception", "OutputLengths", "ToolDurations", "FCFS", "LAMPS",
            "RANKING_NAMES", "SJF", "RankingPolicy", "RankState", "SchedInfo", "SJFTotal", "make_ranking"]

@@ -50,6 +50,9 @@ class SchedInfo:
     handling: Optional[Handling] = None    # handling fixed for that call (a worked example), else predicted
     # the segments after this one, when known or predicted: (output tokens, call seconds or None, result tokens)
     future: Tuple[Tuple[int, Optional[float], int], ...] = ()
+    # Parrot's deduced preference (ObjectiveRanking): "latency", "throughput" or None, and the task group
+    objective: Optional[str] = None
+    task_group: Optional[str] = None
     # owned by the ranking:
     predicted_handling: Optional[Handling] = None  # LAMPS' prediction, once per segment (Algorithm 1, line 5)
     future_score: Optional[float] = None           # the later segments' part of a job-horizon score

@@ -1,0 +1,162 @@
+"""The OpenAPI 3.1 document served at ``GET /openapi.json``.
+
+Built from the application's own route table, so an endpoint cannot exist
+without being listed; each operation's description lives here, beside its
+request and answer schemas (``tests/test_semantic_api.py`` checks that every
+route has one).  The full contract of the session endpoints is
+docs/semantic-variables.md.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any, Dict, Iterable, Tuple
+
+from starlette.routing import Route
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                     "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+                                     "call": {"type": ["string", "null"], "description": "424: the failed producer"}}}}}
+SAMPLING = {"type": "object", "additionalProperties": False, "properties": {
+    "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number"}, "top_k": {"type": "integer", "minimum": 0}, "seed": {"type": "integer"},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 8}]}}}
+TRANSFORM = {"type": "object", "additionalProperties": False, "properties": {
+    "strip": {"type": "boolean"}, "json_field": {"type": "string", "description": "dotted path: a.b.0"},
+    "regex": {"type": "string", "maxLength": 512}, "group": {"type": ["integer", "string"]}}}
+OUTPUT = {"type": "object", "additionalProperties": False, "properties": {
+    "variable": {"type": "string", "description": "a declared variable to write (else a new one)"},
+    "name": {"type": "string"}, "sampling": SAMPLING, "transform": TRANSFORM,
+    "criterion": {"enum": ["latency", "throughput"]}}}
+BINDING = {"oneOf": [{"type": "string", "description": "a variable id"},
+                     {"type": "object", "required": ["value"], "properties": {"value": {"type": "string"}},
+                      "additionalProperties": False}]}
+LLM_CALL = {"type": "object", "required": ["model", "template"], "additionalProperties": False, "properties": {
+    "model": {"type": "string"},
+    "template": {"type": "string", "description": "text with {{input:NAME}} and {{output:NAME}} placeholders"},
+    "inputs": {"type": "object", "additionalProperties": BINDING},
+    "outputs": {"type": "object", "additionalProperties": OUTPUT},
+    "chat": {"type": "boolean", "description": "wrap the text before the first output in the chat template"}}}
+TOOL_CALL = {"type": "object", "required": ["tool", "outputs"], "additionalProperties": False, "properties": {
+    "tool": {"type": "string", "description": "a registered, enabled plugin tool"},
+    "arguments": {"type": "object", "description": "string leaves may hold {{input:NAME}}"},
+    "inputs": {"type": "object", "additionalProperties": BINDING},
+    "outputs": {"type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": OUTPUT}}}
+VARIABLE = {"type": "object", "properties": {"id": {"type": "string"}, "name": {"type": ["string", "null"]},
+                                             "ready": {"type": "boolean"}, "failed": {"type": "boolean"},
+                                             "producer": {"type": ["string", "null"]}}}
+
+
+def _json(schema: Dict[str, Any]) -> Dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _op(summary: str, answers: Dict[int, Any], body: Any = None, params: Tuple[Dict[str, Any], ...] = (),
+        auth: str = "apiKey") -> Dict[str, Any]:
+    op: Dict[str, Any] = {"summary": summary, "responses": {
+        str(code): {"description": desc, **(_json(schema) if schema else {})} for code, (desc, schema) in answers.items()}}
+    if body is not None:
+        op["requestBody"] = {"required": True, **_json(body)}
+    if params:
+        op["parameters"] = list(params)
+    op["security"] = [] if auth == "none" else [{auth: []}]
+    return op
+
+
+def _q(name: str, schema: Dict[str, Any], desc: str) -> Dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": desc}
+
+
+ERR = ("error (OpenAI-style body)", ERROR)
+SESSION_ERRS = {401: ("no session token", ERROR), 403: ("another session's token", ERROR),
+                404: ("no such session (or variable / call in it)", ERROR)}
+
+OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
+    ("/health", "get"): _op("Liveness and the served models", {200: ("ok", {"type": "object"})}, auth="none"),
+    ("/metrics", "get"): _op("Prometheus metrics (text format)", {200: ("metrics", None)}, auth="none"),
+    ("/openapi.json", "get"): _op("This document", {200: ("OpenAPI 3.1", {"type": "object"})}, auth="none"),
+    ("/v1/models", "get"): _op("The configured models (OpenAI list)", {200: ("models", {"type": "object"}),
+                                                                       401: ERR}),
+    ("/v1/plugins", "get"): _op("Installed plugins, their tools and parsers", {200: ("plugins", {"type": "object"}),
+                                                                               401: ERR}),
+    ("/v1/chat/completions", "post"): _op(
+        "OpenAI chat completions: tools, structured output, streaming, Interlace extensions (README)",
+        {200: ("a chat.completion, or server-sent chunks when stream is true", {"type": "object"}),
+         400: ERR, 401: ERR, 403: ERR, 404: ERR, 413: ERR, 415: ERR},
+        body={"type": "object", "required": ["model", "messages"]}),
+    ("/v1/sessions", "post"): _op(
+        "Create a Semantic Variables session; answers its id and bearer token",
+        {201: ("the session", {"type": "object", "properties": {
+            "id": {"type": "string"}, "token": {"type": "string"}, "ttl_s": {"type": "number"},
+            "expires_at": {"type": "number"}, "limits": {"type": "object"}}}), 400: ERR, 401: ERR, 429: ERR},
+        body={"type": "object", "properties": {"ttl_s": {"type": "number", "exclusiveMinimum": 0}},
+              "additionalProperties": False}),
+    ("/v1/sessions/{sid}", "get"): _op(
+        "A session's state and usage (prompt, filled and forked tokens)",
+        {200: ("state", {"type": "object"}), **SESSION_ERRS}, auth="sessionToken"),
+    ("/v1/sessions/{sid}", "delete"): _op(
+        "Delete a session: abort its calls, free its variables and engine contexts",
+        {200: ("deleted", {"type": "object"}), **SESSION_ERRS}, auth="sessionToken"),
+    ("/v1/sessions/{sid}/variables", "post"): _op(
+        "Create a Semantic Variable, declared or with a value",
+        {201: ("the variable", VARIABLE), 400: ERR, 413: ERR, 429: ERR, **SESSION_ERRS},
+        body={"type": "object", "additionalProperties": False,
+              "properties": {"name": {"type": "string"}, "value": {"type": "string"}}}, auth="sessionToken"),
+    ("/v1/sessions/{sid}/variables/{vid}", "put"): _op(
+        "Set a declared variable's value (once); calls waiting for it are dispatched",
+        {200: ("the variable", VARIABLE), 400: ERR, 409: ERR, 413: ERR, **SESSION_ERRS},
+        body={"type": "object", "required": ["value"], "properties": {"value": {"type": "string"}},
+              "additionalProperties": False}, auth="sessionToken"),
+    ("/v1/sessions/{sid}/variables/{vid}", "get"): _op(
+        "Wait for a variable's value (or stream it as generated); the criterion guides scheduling",
+        {200: ("the value, or server-sent events {delta} ... {value} | {error}, [DONE] when stream=true",
+               {"type": "object", "properties": {"id": {"type": "string"}, "value": {"type": "string"}}}),
+         400: ERR, 408: ("timeout_s elapsed; ask again", ERROR), 424: ("its producer failed", ERROR),
+         **SESSION_ERRS},
+        params=(_q("criterion", {"enum": ["latency", "throughput"]}, "what the application waits for"),
+                _q("stream", {"type": "boolean"}, "server-sent events of the text as generated"),
+                _q("timeout_s", {"type": "number"}, "give up after this many seconds (408)")),
+        auth="sessionToken"),
+    ("/v1/sessions/{sid}/calls", "post"): _op(
+        "Submit a semantic call (an LLM prompt template, or a tool node) into the session's DAG",
+        {201: ("the call and its output variables", {"type": "object", "properties": {
+            "id": {"type": "string"}, "outputs": {"type": "object"}, "state": {"type": "string"}}}),
+         400: ERR, 403: ERR, 409: ERR, 413: ERR, 429: ERR, **SESSION_ERRS},
+        body={"oneOf": [LLM_CALL, TOOL_CALL]}, auth="sessionToken"),
+    ("/v1/sessions/{sid}/calls/{cid}", "get"): _op(
+        "A call's state, error, and deduced objective and task group",
+        {200: ("the call", {"type": "object"}), **SESSION_ERRS}, auth="sessionToken"),
+}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("interlace")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+def openapi_document(routes: Iterable[Route]) -> Dict[str, Any]:
+    """Every route of ``routes`` with its operation (a route without a
+    description here is still listed, marked undocumented)."""
+    paths: Dict[str, Dict[str, Any]] = {}
+    for r in routes:
+        methods = sorted(m.lower() for m in (r.methods or {"GET"}) if m != "HEAD")
+        for m in methods:
+            op = OPERATIONS.get((r.path, m)) or {"summary": "(undocumented)", "responses": {"200": {"description": ""}}}
+            params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                      for p in r.param_convertors]
+            if params:
+                op = {**op, "parameters": params + op.get("parameters", [])}
+            paths.setdefault(r.path, {})[m] = op
+    return {"openapi": "3.1.0",
+            "info": {"title": "Interlace gateway", "version": _version(),
+                     "description": "OpenAI-compatible chat completions with server-side tools, and Parrot-style "
+                                    "Semantic Variables (docs/semantic-variables.md)."},
+            "components": {"securitySchemes": {
+                "apiKey": {"type": "http", "scheme": "bearer",
+                           "description": "a server API key (server.api_keys); none needed when none is configured"},
+                "sessionToken": {"type": "http", "scheme": "bearer",
+                                 "description": "the token POST /v1/sessions answered for that session"}}},
+            "paths": paths}

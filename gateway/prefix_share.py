@@ -1,0 +1,215 @@
+"""Sharing prompt prefixes by forking engine contexts (Parrot section 5.3).
+
+A semantic call's prompt is a sequence of *pieces*: constant template text
+and input variables' values (and, for chat calls, the chat template's
+head).  Parrot does not compare prompts token by token; it hashes each
+prompt at its variable boundaries (``PrefixHash``) and looks the hashes up:
+two calls whose prompts agree up to a boundary can share the KV of that
+prefix.  Here a shared prefix becomes a *prefix context*, filled once, that
+every call wanting it forks (copy-on-write blocks) before filling the rest
+of its own prompt.
+
+Which boundary a call forks at: the longest one (at least ``min_tokens``
+long) that already has a prefix context, or that another call dispatched
+with it wants too (the store counts *demand* per hash: a map stage's calls
+arrive together), or that is *static* -- constant template text only, the
+long system prompt of a GPTs-style application, shared by calls that come
+later.  A prefix context may itself fork a shorter one (a system prompt,
+then a document several questions are asked about).
+
+Prefix contexts belong to the sessions that used them and are freed when
+the last of those is gone and no fork of them is alive (the engine refuses
+to free a context with live forks); at most ``max_entries`` are kept, the
+least recently used unforked ones going first.  The engine's own block
+hashing still catches repeats this misses (a prefix evicted, a boundary
+inside a variable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import time
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Piece:
+    """A run of prompt tokens ending at a variable boundary."""
+
+    tokens: List[int]
+    static: bool  # constant text of the template (or the chat head), not a variable's value
+
+
+def boundary_keys(model: str, pieces: Sequence[Piece]) -> List[Tuple[bytes, int, bool]]:
+    """``(hash, tokens, static)`` after each piece: the hash chains the
+    pieces' token ids (a hit means the whole prefix is equal); ``static``
+    says every piece up to there is constant."""
+    h = hashlib.blake2b(model.encode(), digest_size=16, person=b"interlace-pfx").digest()
+    out, n, static = [], 0, True
+    for p in pieces:
+        h = hashlib.blake2b(h + array("i", p.tokens).tobytes(), digest_size=16).digest()
+        n += len(p.tokens)
+        static = static and p.static
+        out.append((h, n, static))
+    return out
+
+
+@dataclass(eq=False)
+class PrefixEntry:
+    key: bytes
+    context_id: Tuple
+    tokens: int
+    parent: Optional["PrefixEntry"]
+    ready: "asyncio.Future[None]"
+    users: Set[str] = field(default_factory=set)  # sessions that forked it
+    children: int = 0                             # live forks: calls' contexts and longer prefixes
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Shared:
+    """What :meth:`PrefixStore.acquire` gives a call: fork ``entry`` and
+    fill the pieces from ``next_piece`` on."""
+
+    entry: PrefixEntry
+    next_piece: int
+    filled: int  # tokens this call filled into new prefix contexts
+
+
+class PrefixStore:
+    """The prefix contexts of one model's engine."""
+
+    def __init__(self, engine: Any, model: str, *, min_tokens: int = 16, max_entries: int = 256):
+        self.engine, self.model = engine, model
+        self.min_tokens, self.max_entries = min_tokens, max_entries
+        self.entries: Dict[bytes, PrefixEntry] = {}
+        self.demand: Counter = Counter()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ demand
+    def want(self, keys: Sequence[Tuple[bytes, int, bool]]) -> None:
+        """A call that will acquire soon (dispatched in the same batch as others)."""
+        for k, _, _ in keys:
+            self.demand[k] += 1
+
+    def unwant(self, keys: Sequence[Tuple[bytes, int, bool]]) -> None:
+        for k, _, _ in keys:
+            self.demand[k] -= 1
+            if self.demand[k] <= 0:
+                del self.demand[k]
+
+    def _worth(self, key: bytes, n: int, static: bool) -> bool:
+        return n >= self.min_tokens and (key in self.entries or self.demand[key] >= 2 or static)
+
+    # ----------------------------------------------------------------- acquire
+    async def acquire(self, session: str, pieces: Sequence[Piece], keys: Sequence[Tuple[bytes, int, bool]],
+                      hint: Any = None) -> Optional[Shared]:
+        """The prefix context the call should fork (creating it, and shorter
+        ones it builds on, if needed), or None: fill everything.  Call it
+        once per :meth:`want`; it drops the call's demand."""
+        try:
+            k = max((i for i, (key, n, st) in enumerate(keys) if self._worth(key, n, st)), default=None)
+            if k is None:
+                return None
+            filled = [0]
+            entry = await self._ensure(k, pieces, keys, hint, filled)
+        finally:
+            self.unwant(keys)
+        if entry is None:
+            return None
+        entry.children += 1
+        entry.users.add(session)
+        entry.last_used = time.monotonic()
+        return Shared(entry, k + 1, filled[0])
+
+    async def _ensure(self, k: int, pieces: Sequence[Piece], keys: Sequence[Tuple[bytes, int, bool]],
+                      hint: Any, filled: List[int]) -> Optional[PrefixEntry]:
+        key, n, _ = keys[k]
+        entry = self.entries.get(key)
+        if entry is None:
+            # build on the longest shorter prefix that exists or that more calls want than this one
+            j = max((i for i in range(k) if keys[i][0] in self.entries
+                     or (keys[i][1] >= self.min_tokens and self.demand[keys[i][0]] > max(1, self.demand[key]))),
+                    default=None)
+            parent = await self._ensure(j, pieces, keys, hint, filled) if j is not None else None
+            if key in self.entries:  # made by another call meanwhile
+                return await self._ensure(k, pieces, keys, hint, filled)
+            entry = PrefixEntry(key, ("svp", self.model, next(self._ids)), n, parent,
+                                asyncio.get_running_loop().create_future())
+            self.entries[key] = entry
+            tokens = [t for p in pieces[(j + 1 if j is not None else 0):k + 1] for t in p.tokens]
+            if parent is not None:
+                parent.children += 1
+            try:
+                await self.engine.fill(entry.context_id, tokens,
+                                       parent_context_id=parent.context_id if parent else None, hint=hint)
+            except BaseException as e:
+                del self.entries[key]
+                if parent is not None:
+                    self._release(parent)
+                entry.ready.set_exception(e if isinstance(e, Exception) else RuntimeError("cancelled"))
+                entry.ready.exception()  # retrieved: nobody may be waiting
+                raise
+            filled[0] += len(tokens)
+            entry.ready.set_result(None)
+            self._evict()
+            return entry
+        try:
+            await asyncio.shield(entry.ready)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # its maker failed or was cancelled: fill without sharing
+            return None
+        return entry if self.entries.get(key) is entry else None
+
+    # ----------------------------------------------------------------- release
+    def release(self, shared: Shared) -> None:
+        """The call's fork of ``shared.entry`` is freed."""
+        self._release(shared.entry)
+
+    def _release(self, entry: PrefixEntry) -> None:
+        entry.children -= 1
+        entry.last_used = time.monotonic()
+        if not entry.users and entry.children == 0:
+            self._free(entry)
+
+    def _free(self, entry: PrefixEntry) -> None:
+        if self.entries.get(entry.key) is entry:
+            del self.entries[entry.key]
+        self.engine.free_context_nowait(entry.context_id)
+        if entry.parent is not None:
+            self._release(entry.parent)
+
+    def drop_session(self, session: str) -> None:
+        """A session is gone: free the prefix contexts nobody else uses."""
+        for entry in list(self.entries.values()):
+            if session in entry.users:
+                entry.users.discard(session)
+        # longest first: a prefix context's forks go before it
+        for entry in sorted(self.entries.values(), key=lambda e: -e.tokens):
+            if not entry.users and entry.children == 0 and entry.ready.done():
+                self._free(entry)
+
+    def _evict(self) -> None:
+        over = len(self.entries) - self.max_entries
+        if over <= 0:
+            return
+        idle = sorted((e for e in self.entries.values() if e.children == 0 and e.ready.done()),
+                      key=lambda e: e.last_used)
+        for e in idle[:over]:
+            self._free(e)
+
+    def clear(self) -> None:
+        """Shutdown: free every prefix context (forks first)."""
+        for entry in sorted(self.entries.values(), key=lambda e: -e.tokens):
+            self.engine.free_context_nowait(entry.context_id)
+        self.entries.clear()
+        self.demand.clear()

@@ -1,0 +1,182 @@
+"""The HTTP routes of sessions, Semantic Variables and semantic calls
+(contract: docs/semantic-variables.md; schema: ``GET /openapi.json``).
+
+    POST   /v1/sessions                              create (API key when configured) -> id, token
+    GET    /v1/sessions/{sid}                        state and usage (tokens forked, filled, ...)
+    DELETE /v1/sessions/{sid}                        free everything it holds
+    POST   /v1/sessions/{sid}/variables              create (declared, or with a value)
+    PUT    /v1/sessions/{sid}/variables/{vid}        set a declared variable's value
+    GET    /v1/sessions/{sid}/variables/{vid}        wait for the value (criterion, stream, timeout_s)
+    POST   /v1/sessions/{sid}/calls                  submit a semantic call (LLM template or tool node)
+    GET    /v1/sessions/{sid}/calls/{cid}            a call's state, error and deduced objective
+
+Every route but the first authenticates with the session's token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Awaitable, Callable, List
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine_ext.policies.objectives import OBJECTIVES
+from . import http_guard as guard_
+from .http_guard import ClientGone
+from .openai_api import APIError, parse_json, sse
+from .semantic import Variable
+from .sessions import Session
+
+
+def _error_body(var: Variable) -> dict:
+    err = var.error or {}
+    code = "session_closed" if err.get("code") == "session_closed" else "producer_failed"
+    return {"error": {"message": err.get("message"), "type": "failed_dependency", "param": None, "code": code,
+                      "call": err.get("call"), "producer_code": err.get("code")}}
+
+
+def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], None]) -> List[Route]:
+    """The routes, bound to the gateway ``gw`` (its ``sessions`` store is made at start-up)."""
+
+    def handle(fn: Callable[..., Awaitable[Response]], *, with_session: bool = True):
+        async def wrapped(request: Request) -> Response:
+            try:
+                if not with_session:
+                    return await fn(request)
+                s = gw.sessions.authorize(request, request.path_params["sid"])
+                with s.in_use():
+                    return await fn(request, s)
+            except APIError as e:
+                metrics_label(request, e.status)
+                return JSONResponse(e.body(), status_code=e.status)
+            except ClientGone:
+                metrics_label(request, 499)
+                return Response(status_code=499)
+        return wrapped
+
+    async def body_of(request: Request, optional: bool = False) -> Any:
+        raw = await guard_.read_body(request, config.max_request_bytes)
+        if optional and not raw.strip():
+            return {}
+        guard_.require_json(request)
+        body = parse_json(raw)
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        return body
+
+    async def create_session(request: Request) -> Response:
+        caller = guard_.authenticate(config, request)
+        body = await body_of(request, optional=True)
+        unknown = sorted(set(body) - {"ttl_s"})
+        if unknown:
+            raise APIError(400, f"unknown key(s) {unknown}; a session takes only ttl_s", param=unknown[0])
+        s = gw.sessions.create(caller, body.get("ttl_s"))
+        return JSONResponse({"id": s.id, "token": s.token, "ttl_s": s.ttl_s, "expires_at": round(s.expires_at, 3),
+                             "limits": s.graph.limits.as_dict()}, status_code=201)
+
+    async def session_info(request: Request, s: Session) -> Response:
+        return JSONResponse(s.describe())
+
+    async def delete_session(request: Request, s: Session) -> Response:
+        await gw.sessions.delete(s)
+        return JSONResponse({"id": s.id, "deleted": True})
+
+    async def create_variable(request: Request, s: Session) -> Response:
+        body = await body_of(request, optional=True)
+        unknown = sorted(set(body) - {"name", "value"})
+        if unknown:
+            raise APIError(400, f"unknown key(s) {unknown}; a variable takes name and value", param=unknown[0])
+        var = s.graph.create_variable(body.get("name"), body.get("value"))
+        return JSONResponse(var.describe(), status_code=201)
+
+    async def set_variable(request: Request, s: Session) -> Response:
+        body = await body_of(request)
+        if set(body) != {"value"}:
+            raise APIError(400, "the body must be {\"value\": text}", param="value")
+        var = s.graph.set_variable(request.path_params["vid"], body["value"])
+        return JSONResponse(var.describe())
+
+    async def get_variable(request: Request, s: Session) -> Response:
+        var = s.graph.variable(request.path_params["vid"])
+        q = request.query_params
+        unknown = sorted(set(q) - {"criterion", "stream", "timeout_s"})
+        if unknown:
+            raise APIError(400, f"unknown query parameter(s) {unknown}", param=unknown[0])
+        criterion = q.get("criterion")
+        if criterion is not None and criterion not in OBJECTIVES:
+            raise APIError(400, f"criterion must be one of {list(OBJECTIVES)}", param="criterion")
+        stream = q.get("stream", "false").lower()
+        if stream not in ("true", "false", "1", "0"):
+            raise APIError(400, "stream must be true or false", param="stream")
+        timeout = None
+        if "timeout_s" in q:
+            try:
+                timeout = float(q["timeout_s"])
+            except ValueError:
+                timeout = -1.0
+            if not 0 < timeout <= 86400:
+                raise APIError(400, "timeout_s must be a number of seconds in (0, 86400]", param="timeout_s")
+        s.graph.note_criterion(var, criterion)
+        if stream in ("true", "1"):
+            return StreamingResponse(_stream(s, var, timeout), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        from .app import until_disconnected  # the app module imports this one
+
+        async def wait() -> None:
+            try:
+                await asyncio.wait_for(var.wait(), timeout)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"variable {var.id} has no value after {timeout} s; ask again",
+                               code="timeout") from None
+
+        await until_disconnected(request, wait())
+        if var.error is not None:
+            status = 404 if var.error.get("code") == "session_closed" else 424
+            return JSONResponse(_error_body(var), status_code=status)
+        return JSONResponse({"id": var.id, "name": var.name, "value": var.value})
+
+    async def _stream(s: Session, var: Variable, timeout: Any) -> AsyncIterator[bytes]:
+        with s.in_use():
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout is None else loop.time() + timeout
+            it = var.deltas().__aiter__()
+            while True:
+                try:
+                    left = None if deadline is None else max(0.0, deadline - loop.time())
+                    delta = await asyncio.wait_for(it.__anext__(), left)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    yield sse(APIError(408, f"variable {var.id} has no value after {timeout} s; ask again",
+                                       code="timeout").body())
+                    yield b"data: [DONE]\n\n"
+                    return
+                yield sse({"delta": delta})
+            yield sse(_error_body(var) if var.error is not None else {"value": var.value})
+            yield b"data: [DONE]\n\n"
+
+    async def submit_call(request: Request, s: Session) -> Response:
+        call = s.graph.submit(await body_of(request))
+        return JSONResponse({"id": call.id, "outputs": {k: o.var.id for k, o in call.outputs.items()},
+                             "state": call.state}, status_code=201)
+
+    async def call_info(request: Request, s: Session) -> Response:
+        cid = request.path_params["cid"]
+        call = s.graph.calls.get(cid)
+        if call is None:
+            raise APIError(404, f"no call {cid!r} in this session", param="call", code="call_not_found")
+        return JSONResponse(call.describe())
+
+    return [
+        Route("/v1/sessions", handle(create_session, with_session=False), methods=["POST"]),
+        Route("/v1/sessions/{sid}", handle(session_info), methods=["GET"]),
+        Route("/v1/sessions/{sid}", handle(delete_session), methods=["DELETE"]),
+        Route("/v1/sessions/{sid}/variables", handle(create_variable), methods=["POST"]),
+        Route("/v1/sessions/{sid}/variables/{vid}", handle(set_variable), methods=["PUT"]),
+        Route("/v1/sessions/{sid}/variables/{vid}", handle(get_variable), methods=["GET"]),
+        Route("/v1/sessions/{sid}/calls", handle(submit_call), methods=["POST"]),
+        Route("/v1/sessions/{sid}/calls/{cid}", handle(call_info), methods=["GET"]),
+    ]
