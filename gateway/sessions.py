@@ -73,6 +73,8 @@ class SessionStore:
         self.services, self.config = services, config
         self.sessions: Dict[str, Session] = {}
         self._reaper: Optional["asyncio.Task[None]"] = None
+        self._wake = asyncio.Event()  # a new session may expire sooner than the reaper's next round
+        self._closing: set = set()    # expired sessions being freed outside the reaper
 
     async def start(self) -> None:
         self._reaper = asyncio.ensure_future(self._reap())
@@ -94,6 +96,7 @@ class SessionStore:
         s = Session(sid, f"sst_{secrets.token_urlsafe(32)}", caller, float(ttl_s),
                     SessionGraph(sid, self.services, limits, caller))
         self.sessions[sid] = s
+        self._wake.set()
         return s
 
     def authorize(self, request: Request, sid: str) -> Session:
@@ -104,6 +107,12 @@ class SessionStore:
             raise APIError(401, "missing session token (send 'Authorization: Bearer <token>' with the token "
                                 "POST /v1/sessions returned)", code="invalid_session_token")
         s = self.sessions.get(sid)
+        if s is not None and s.expired(time.monotonic()):  # the reaper has not come round yet
+            del self.sessions[sid]
+            task = asyncio.ensure_future(s.graph.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            s = None
         if s is None or s.graph.closed:
             raise APIError(404, f"no session {sid!r} (deleted, expired, or never created)",
                            code="session_not_found")
@@ -120,7 +129,9 @@ class SessionStore:
     async def _reap(self) -> None:
         while True:
             shortest = min((s.ttl_s for s in self.sessions.values()), default=self.config.ttl_s)
-            await asyncio.sleep(min(5.0, max(0.05, shortest / 4)))
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), min(5.0, max(0.05, shortest / 4)))
             now = time.monotonic()
             for s in [s for s in self.sessions.values() if s.expired(now)]:
                 log.info("session %s expired after %.0f s idle", s.id, s.ttl_s)
@@ -138,3 +149,5 @@ class SessionStore:
             self._reaper = None
         for s in list(self.sessions.values()):
             await self.delete(s)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

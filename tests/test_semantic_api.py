@@ -1,0 +1,371 @@
+"""Semantic Variables over HTTP against a real gateway (embedded model, loopback).
+
+Sessions and their isolation, the DAG (diamonds, failures travelling
+downstream, cycles and unknown variables refused), transforms, tool nodes
+and their permission, prefix sharing by fork, objectives reaching the
+engine, limits, and everything freed on delete, expiry and shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from gateway_server import LiveGateway, engine_state
+
+KEY, TOOL_KEY = "sv-key", "sv-tool-key"
+MODEL = {"path": "embedded", "kv_cache_tokens": 4096, "dtype": "float32"}
+#: A long constant instruction: several whole KV blocks before the first variable.
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, in plain English, without lists, "
+          "without code and without any preamble. ") * 4
+
+
+@pytest.fixture(scope="module")
+def live():
+    cfg = {"server": {"api_keys": [KEY, {"key": TOOL_KEY, "name": "tools", "server_tools": ["calculator"]}],
+                      "sessions": {"max_variables": 40, "max_pending_calls": 8, "max_bytes": 64 * 1024}},
+           "models": {"smollm2": MODEL, "nocache": {**MODEL, "prefix_caching": False}}}
+    with LiveGateway(cfg) as gw:
+        yield gw
+        # left open on purpose, with a call waiting and a prefix context: shutdown frees them
+        store, services = gw.gateway.sessions, gw.gateway.services
+        left = S(httpx.Client(base_url=gw.url, timeout=60))
+        left.llm(SYSTEM + "{{input:a}} {{output:out}}", {"a": left.var(name="never")})
+        left.llm(SYSTEM + "Hello {{output:out}}")
+        assert store.sessions and services.prefixes["smollm2"].entries is not None
+    assert not store.sessions and left.id not in store.sessions
+    assert all(not p.entries for p in services.prefixes.values())
+    assert gw.gateway.sessions is None and not gw.gateway.models  # the engines are closed after them
+
+
+@pytest.fixture
+def http(live):
+    with httpx.Client(base_url=live.url, timeout=120) as c:
+        yield c
+
+
+class S:
+    """One session, seen through raw HTTP."""
+
+    def __init__(self, http: httpx.Client, key: str = KEY, **body):
+        r = http.post("/v1/sessions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 201, r.text
+        self.http, self.info = http, r.json()
+        self.id, self.token = self.info["id"], self.info["token"]
+        self.h = {"Authorization": f"Bearer {self.token}"}
+
+    def url(self, rest: str = "") -> str:
+        return f"/v1/sessions/{self.id}{rest}"
+
+    def var(self, value=None, **kw) -> str:
+        body = {**kw, **({"value": value} if value is not None else {})}
+        r = self.http.post(self.url("/variables"), json=body, headers=self.h)
+        assert r.status_code == 201, r.text
+        return r.json()["id"]
+
+    def submit(self, expect: int = 201, **body) -> dict:
+        r = self.http.post(self.url("/calls"), json=body, headers=self.h)
+        assert r.status_code == expect, r.text
+        return r.json()
+
+    def llm(self, template: str, inputs=None, max_tokens: int = 6, expect: int = 201, model: str = "smollm2",
+            **outputs) -> dict:
+        outs = outputs or {"out": {}}
+        for o in outs.values():
+            o.setdefault("sampling", {"max_tokens": max_tokens})
+        return self.submit(expect, model=model, template=template, inputs=inputs or {}, outputs=outs)
+
+    def get(self, vid: str, **params) -> httpx.Response:
+        return self.http.get(self.url(f"/variables/{vid}"), params=params, headers=self.h)
+
+    def value(self, vid: str, **params) -> str:
+        r = self.get(vid, **params)
+        assert r.status_code == 200, r.text
+        return r.json()["value"]
+
+    def delete(self) -> None:
+        assert self.http.delete(self.url(), headers=self.h).status_code == 200
+
+
+def idle_engine(live, model="smollm2", timeout=10.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        st = engine_state(live, model)
+        if (st["contexts"] == 0 and st["used_blocks"] == 0) or time.time() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ sessions
+def test_sessions_need_the_api_key_and_each_its_own_token(live, http):
+    assert http.post("/v1/sessions").status_code == 401
+    assert http.post("/v1/sessions", headers={"Authorization": "Bearer nope"}).status_code == 401
+    a, b = S(http), S(http)
+    va = a.var("secret of a")
+    # no token, another session's token, a made-up session
+    r = http.get(a.url(f"/variables/{va}"))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_session_token"
+    r = http.get(a.url(f"/variables/{va}"), headers=b.h)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+    r = http.get("/v1/sessions/ses_nothere", headers=a.h)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    # a's variable does not exist inside b: neither to read nor as an input of b's call
+    r = b.get(va)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "variable_not_found"
+    r = http.post(b.url("/calls"), headers=b.h, json={"model": "smollm2", "template": "{{input:x}} {{output:y}}",
+                                                       "inputs": {"x": va}})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "inputs.x"
+    assert a.value(va) == "secret of a"
+    a.delete(), b.delete()
+    # a deleted session is gone for its own token too
+    assert http.get(a.url(), headers=a.h).status_code == 404
+
+
+def test_session_create_validation(http):
+    r = http.post("/v1/sessions", json={"ttl_s": -1}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ttl_s"
+    r = http.post("/v1/sessions", json={"tll_s": 5}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and "tll_s" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------- the DAG
+def test_diamond_runs_server_side_and_set_releases_waiting_calls(live, http):
+    s = S(http)
+    topic = s.var(name="topic")  # declared: everything waits for it
+    a = s.llm("Topic: {{input:t}}. One word about it: {{output:out}}", {"t": topic})["outputs"]["out"]
+    b = s.llm("Topic: {{input:t}}. Another word: {{output:out}}", {"t": topic})["outputs"]["out"]
+    d = s.llm("Words: {{input:a}} and {{input:b}}. Joined: {{output:out}}", {"a": a, "b": b})
+    info = http.get(s.url(), headers=s.h).json()
+    assert info["calls"]["pending"] == 3 and info["calls"]["running"] == 0
+    r = s.get(d["outputs"]["out"], timeout_s=0.2)  # nothing can run yet
+    assert r.status_code == 408 and r.json()["error"]["code"] == "timeout"
+    assert http.put(s.url(f"/variables/{topic}"), json={"value": "tea"}, headers=s.h).status_code == 200
+    final = s.value(d["outputs"]["out"], criterion="latency")
+    va, vb = s.value(a), s.value(b)
+    assert final and va and vb
+    # the join's prompt really held both branches' values: its context starts with them
+    assert http.get(s.url(f"/calls/{d['id']}"), headers=s.h).json()["state"] == "done"
+    # variables are set once
+    r = http.put(s.url(f"/variables/{topic}"), json={"value": "coffee"}, headers=s.h)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "variable_already_set"
+    r = http.put(s.url(f"/variables/{a}"), json={"value": "x"}, headers=s.h)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "variable_has_producer"
+    s.delete()
+
+
+def test_a_failed_producer_reaches_every_get_downstream(live, http):
+    s = S(http)
+    x = s.var("not json at all")
+    bad = s.llm("Say something: {{input:x}} {{output:out}}", {"x": x},
+                out={"transform": {"json_field": "answer"}})
+    after = s.llm("Use {{input:v}}: {{output:out}}", {"v": bad["outputs"]["out"]})
+    later = s.llm("And then {{input:v}}: {{output:out}}", {"v": after["outputs"]["out"]})
+    for vid in (bad["outputs"]["out"], later["outputs"]["out"]):
+        r = s.get(vid)
+        assert r.status_code == 424, r.text
+        err = r.json()["error"]
+        assert err["code"] == "producer_failed" and err["call"] == bad["id"]
+        assert "json_field 'answer'" in err["message"] and "not JSON" in err["message"]
+    # a call submitted after the failure fails at once, with the same cause
+    late = s.llm("Too late {{input:v}} {{output:out}}", {"v": bad["outputs"]["out"]})
+    assert late["state"] == "failed"
+    # the stream reports it as an event, then [DONE]
+    with http.stream("GET", s.url(f"/variables/{later['outputs']['out']}"), params={"stream": "true"},
+                     headers=s.h) as st:
+        lines = [line for line in st.iter_lines() if line]
+    assert json.loads(lines[-2][6:])["error"]["call"] == bad["id"] and lines[-1] == "data: [DONE]"
+    s.delete()
+
+
+def test_cycles_unknown_variables_and_bad_templates_are_refused_keeping_nothing(live, http):
+    s = S(http)
+    v1, v2 = s.var(name="v1"), s.var(name="v2")
+    s.llm("{{input:a}} {{output:out}}", {"a": v1}, out={"variable": v2})
+    before = http.get(s.url(), headers=s.h).json()
+    # v2 -> v1 would close v1 -> v2 -> v1
+    r = s.llm("{{input:a}} {{output:out}}", {"a": v2}, expect=400, out={"variable": v1})
+    assert r["error"]["code"] == "cycle"
+    # a call reading its own output
+    r = s.llm("{{input:a}} {{output:out}}", {"a": v1}, expect=400, out={"variable": v1})
+    assert r["error"]["code"] == "cycle"
+    cases = [
+        (dict(template="{{input:a}} {{output:o}}", inputs={"a": "sv_missing"}), 404, "variable_not_found"),
+        (dict(template="{{input:a}} {{output:o}}", inputs={}), 400, None),
+        (dict(template="{{input:a}} {{output:o}}", inputs={"a": {"value": "x"}, "b": {"value": "y"}}), 400, None),
+        (dict(template="no outputs {{input:a}}", inputs={"a": {"value": "x"}}), 400, None),
+        (dict(template="{{output:o}}", outputs={"o": {"transform": {"regex": "("}}}), 400, None),
+        (dict(template="{{output:o}}", outputs={"o": {"sampling": {"temperature": -1}}}), 400, None),
+        (dict(template="{{output:o}}", outputs={"o": {"variable": v2}}), 409, "variable_has_producer"),
+        (dict(template="{{output:o}}", model="gpt-4"), 404, "model_not_found"),
+    ]
+    for body, status, code in cases:
+        body = {"model": "smollm2", **body}
+        r = http.post(s.url("/calls"), json=body, headers=s.h)
+        assert r.status_code == status, (body, r.text)
+        if code:
+            assert r.json()["error"]["code"] == code
+    after = http.get(s.url(), headers=s.h).json()
+    assert after["variables"] == before["variables"] and after["calls"] == before["calls"]
+    s.delete()
+
+
+def test_transforms_and_constants(live, http):
+    s = S(http)
+    r = s.llm("Repeat exactly: {\"city\": \"Paris\"}\n{{output:out}}", max_tokens=12,
+              out={"transform": {"strip": True, "regex": "[A-Z][a-z]+", "group": 0}})
+    raw_stream = []
+    with http.stream("GET", s.url(f"/variables/{r['outputs']['out']}"), params={"stream": "true"},
+                     headers=s.h) as st:
+        events = [json.loads(line[6:]) for line in st.iter_lines() if line and line != "data: [DONE]"]
+    raw_stream = "".join(e["delta"] for e in events if "delta" in e)
+    value = events[-1]["value"]
+    import re
+    assert value == re.search("[A-Z][a-z]+", raw_stream.strip()).group(0)
+    assert value != raw_stream
+    s.delete()
+
+
+# ---------------------------------------------------------------- tool nodes
+def test_tool_nodes_need_the_permission_and_feed_llm_calls(live, http):
+    plain = S(http)
+    r = plain.submit(403, tool="calculator", arguments={"expression": "1+1"}, outputs={"r": {}})
+    assert r["error"]["code"] == "permission_denied"
+    plain.delete()
+    s = S(http, TOOL_KEY)
+    expr = s.var("6*7")
+    r = s.submit(tool="calculator", arguments={"expression": "{{input:e}}"}, inputs={"e": expr},
+                 outputs={"r": {"transform": {"json_field": "result"}}})
+    assert s.value(r["outputs"]["r"]) == "42"
+    r2 = s.llm("The answer is {{input:n}}. {{output:out}}", {"n": r["outputs"]["r"]})
+    assert s.value(r2["outputs"]["out"]) is not None
+    bad = s.submit(tool="calculator", arguments={"expression": "1/0"}, outputs={"r": {}})
+    g = s.get(bad["outputs"]["r"])
+    assert g.status_code == 424 and "calculator" in g.json()["error"]["message"]
+    assert s.submit(404, tool="nonexistent", arguments={}, outputs={"r": {}})["error"]["code"] == "unknown_tool"
+    # an enabled tool this key was not granted
+    assert s.submit(403, tool="python", arguments={}, outputs={"r": {}})["error"]["code"] == "permission_denied"
+    s.delete()
+
+
+# ------------------------------------------------------------ prefix sharing
+def test_a_shared_prefix_is_filled_once_and_forked(live, http):
+    """Three calls sharing a long instruction and a document, dispatched
+    together when the document is set, on an engine without its block-hash
+    prefix cache: the shared part is prefilled once."""
+    eng = live.gateway.models["nocache"].engine
+    s = S(http)
+    doc = s.var(name="doc")
+    tmpl = SYSTEM + "Document: {{input:d}}\nQuestion: {{input:q}}\nAnswer: {{output:out}}"
+    qs = ["Who?", "Where is it?", "When did it happen?"]
+    calls = [s.llm(tmpl, {"d": doc, "q": {"value": q}}, model="nocache", max_tokens=2) for q in qs]
+    text = "The harbour of the old town was rebuilt in stone after the great storm. " * 6
+    before = eng.stats["prefill_tokens"]
+    http.put(s.url(f"/variables/{doc}"), json={"value": text}, headers=s.h)
+    for c in calls:
+        s.value(c["outputs"]["out"])
+    prefilled = eng.stats["prefill_tokens"] - before
+    usage = http.get(s.url(), headers=s.h).json()["usage"]
+    tok = live.gateway.models["nocache"].tokenizer
+    # pieces end at variable boundaries: the instruction, the document, the constant text up to the question
+    shared = sum(len(tok.encode(t, parse_special=False)) for t in (SYSTEM + "Document: ", text, "\nQuestion: "))
+    assert usage["forked_tokens"] == 2 * shared
+    assert usage["filled_tokens"] == usage["prompt_tokens"] - 2 * shared
+    # the engine computed the shared prefix once (plus each call's own question and the decodes' inputs)
+    assert shared + 3 * 4 <= prefilled < 2 * shared, (prefilled, shared)
+    s.delete()
+    st = idle_engine(live, "nocache")
+    assert st["contexts"] == 0 and st["used_blocks"] == 0
+
+
+# -------------------------------------------------------------- objectives
+def test_deduced_objectives_are_reported_and_reach_the_engine(live, http):
+    s = S(http)
+    src = s.var(name="src")
+    maps = [s.llm("Part {{input:i}} of {{input:s}}: {{output:out}}", {"i": {"value": str(i)}, "s": src})
+            for i in range(3)]
+    red = s.llm("Combine {{input:a}} {{input:b}} {{input:c}}: {{output:out}}",
+                dict(zip("abc", (m["outputs"]["out"] for m in maps))))
+    assert s.get(red["outputs"]["out"], criterion="latency", timeout_s=0.1).status_code == 408
+    infos = [http.get(s.url(f"/calls/{c['id']}"), headers=s.h).json() for c in maps + [red]]
+    assert infos[-1]["objective"] == "latency" and infos[-1]["task_group"] is None
+    groups = {i["task_group"] for i in infos[:-1]}
+    assert len(groups) == 1 and None not in groups and all(i["objective"] == "throughput" for i in infos[:-1])
+    # what the engine's ranking reads, for contexts the calls create
+    seen = {}
+    eng = live.gateway.models["smollm2"].engine
+    orig = eng.fill
+
+    async def spy(cid, tokens, parent_context_id=None, hint=None):
+        seen[cid] = hint
+        return await orig(cid, tokens, parent_context_id=parent_context_id, hint=hint)
+
+    eng.fill = spy
+    try:
+        http.put(s.url(f"/variables/{src}"), json={"value": "a story"}, headers=s.h)
+        s.value(red["outputs"]["out"])
+    finally:
+        del eng.fill
+    by_call = {cid[2]: h for cid, h in seen.items() if cid[0] == "sv"}
+    assert by_call[red["id"]].objective == "latency"
+    assert {by_call[m["id"]].task_group for m in maps} == groups
+    s.delete()
+
+
+# ---------------------------------------------------------------- limits
+def test_session_limits_are_clear_4xx(live, http):
+    s = S(http)
+    big = "x" * 40_000
+    s.var(big)
+    r = http.post(s.url("/variables"), json={"value": big}, headers=s.h)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "session_bytes"
+    blocker = s.var(name="never")
+    for _ in range(8):
+        s.llm("{{input:a}} {{output:out}}", {"a": blocker})
+    r = http.post(s.url("/calls"), headers=s.h, json={"model": "smollm2", "template": "{{input:a}} {{output:o}}",
+                                                      "inputs": {"a": blocker}})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "session_limit"
+    s.delete()
+
+
+# --------------------------------------------------------- freeing
+def test_delete_aborts_running_calls_and_frees_everything(live, http):
+    s = S(http)
+    long = s.llm(SYSTEM + "Write a long story about {{input:t}}: {{output:out}}", {"t": {"value": "the sea"}},
+                 max_tokens=400)
+    waiting = s.llm("{{input:a}} {{output:out}}", {"a": long["outputs"]["out"]})
+    deadline = time.time() + 30
+    while engine_state(live)["contexts"] == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    assert engine_state(live)["used_blocks"] > 0
+    s.delete()
+    st = idle_engine(live)
+    assert st["contexts"] == 0 and st["used_blocks"] == 0, st
+    assert http.get(s.url(f"/variables/{waiting['outputs']['out']}"), headers=s.h).status_code == 404
+
+
+def test_idle_sessions_expire_and_free_their_contexts(live, http):
+    s = S(http, ttl_s=0.6)
+    r = s.llm(SYSTEM + "Say hi to {{input:n}}: {{output:out}}", {"n": {"value": "Ann"}})
+    assert s.value(r["outputs"]["out"]) is not None
+    assert live.gateway.services.prefixes["smollm2"].entries  # its static prefix is kept for later calls
+    time.sleep(1.5)
+    assert http.get(s.url(), headers=s.h).status_code == 404
+    assert s.id not in live.gateway.sessions.sessions
+    st = idle_engine(live)
+    assert st["contexts"] == 0 and st["used_blocks"] == 0, st
+
+
+# ---------------------------------------------------------------- openapi
+def test_openapi_lists_every_route_with_its_description(live, http):
+    from interlace.gateway.openapi import OPERATIONS
+
+    doc = http.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    listed = {(p, m) for p, ops in doc["paths"].items() for m in ops}
+    served = {(r.path, m.lower()) for r in live.app.routes for m in (r.methods or ()) if m != "HEAD"}
+    assert served == listed
+    assert served <= set(OPERATIONS), served - set(OPERATIONS)
+    assert ("/v1/sessions/{sid}/variables/{vid}", "get") in listed
