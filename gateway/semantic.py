@@ -133,6 +133,7 @@ class Call:
     missing: int = 0
     task: Optional["asyncio.Task[None]"] = None
     nbytes: int = 0
+    wanted: Any = None  # prefix keys it announced demand for and has not acquired yet
 
     def input_vars(self) -> List[Variable]:
         return [v for v in self.inputs.values() if isinstance(v, Variable)]
@@ -545,6 +546,7 @@ class SessionGraph:
         pieces = [p for p in pieces if p.tokens]
         keys = boundary_keys(call.model, pieces)
         self.services.prefix_store(call.model).want(keys)
+        call.wanted = keys
         return pieces, keys
 
     def _piece(self, tok: Any, kind: str, val: str, call: Call) -> Piece:
@@ -588,6 +590,7 @@ class SessionGraph:
         shared: Optional[Shared] = None
         made = False
         try:
+            call.wanted = None  # acquire drops the demand, whatever happens
             shared = await store.acquire(self.session_id, pieces, keys, call.hint())
             start = shared.next_piece if shared is not None else 0
             rest = [t for p in pieces[start:] for t in p.tokens]
@@ -720,7 +723,10 @@ class SessionGraph:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         for c in self.calls.values():
-            if c.state == "pending":
+            if c.wanted is not None:  # cancelled before it ran at all
+                self.services.prefix_store(c.model).unwant(c.wanted)
+                c.wanted = None
+            if c.state in ("pending", "running"):
                 self._fail(c, {"message": "the session was closed", "call": c.id, "code": "session_closed"})
         for v in self.variables.values():
             if not v.done:
