@@ -31,6 +31,8 @@ DEFAULT_TIMEOUT = 60.0
 #: The longest single blocking ``get``: a longer wait asks again (the contract's 408 says
 #: "ask again"), so no HTTP request has to stay open longer than this plus the timeout.
 POLL_S = 30.0
+#: The shortest wait a get asks for (``get(timeout=0)``: is there a value yet?).
+MIN_WAIT_S = 0.001
 
 AnySession = Union["Session", "AsyncSession"]
 #: What an input may be bound to: a variable (its value flows on the server) or a constant.
@@ -207,8 +209,10 @@ class _SessionBase:
                 "outputs": {output_name: _output_json(output_name, output)}}
 
     def _call(self, body: Mapping[str, Any]) -> "Call":
-        outputs = {name: SemanticVariable(self, vid, name) for name, vid in (body.get("outputs") or {}).items()}
-        return Call(self, body["id"], outputs, body.get("state"))
+        call = Call(self, body["id"], {}, body.get("state"))
+        for name, vid in (body.get("outputs") or {}).items():
+            call.outputs[name] = SemanticVariable(self, vid, name, producer=call)
+        return call
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id!r}{', closed' if self.closed else ''})"
@@ -353,7 +357,8 @@ class _Deadline:
     def next_wait(self) -> float:
         if self.end is None:
             return POLL_S
-        return max(0.0, min(POLL_S, self.end - time.monotonic()))
+        # The server takes a wait in (0, ...]: "has it a value yet?" is the shortest wait it allows.
+        return max(MIN_WAIT_S, min(POLL_S, self.end - time.monotonic()))
 
     def passed(self) -> bool:
         return self.end is not None and time.monotonic() >= self.end
@@ -366,13 +371,16 @@ class SemanticVariable:
     the server.  Read it with :meth:`get` / :meth:`stream` (or :meth:`aget`
     / :meth:`astream` for a variable of an :class:`AsyncSession`); once read,
     ``value`` holds it (after a stream: the transformed value, not the
-    concatenated deltas)."""
+    concatenated deltas).  ``producer`` is the :class:`Call` that writes it, when this
+    client submitted that call."""
 
-    def __init__(self, session: AnySession, id: str, name: Optional[str] = None, value: Optional[str] = None):
+    def __init__(self, session: AnySession, id: str, name: Optional[str] = None, value: Optional[str] = None,
+                 producer: Optional["Call"] = None):
         self.session = session
         self.id = id
         self.name = name
         self.value = value
+        self.producer = producer
 
     def __repr__(self) -> str:
         return f"SemanticVariable(id={self.id!r}, name={self.name!r}, value={self.value!r})"

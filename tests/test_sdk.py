@@ -274,14 +274,16 @@ def test_get_with_a_timeout_raises_once_it_has_passed() -> None:
 
     def get(req: httpx.Request) -> httpx.Response:
         seen.append(float(req.url.params["timeout_s"]))
-        return httpx.Response(408, json={"error": {"message": "no value within 0.0 s", "code": "timeout"}})
+        if seen[-1] <= 0:  # as the server: a wait is in (0, 86400]
+            return httpx.Response(400, json={"error": {"message": "timeout_s must be > 0", "param": "timeout_s"}})
+        return httpx.Response(408, json={"error": {"message": "no value yet", "code": "timeout"}})
 
     routes = fake_session_routes([])
     routes[("GET", "/v1/sessions/ses_1/variables/sv_1")] = get
     with FakeServer(routes).client() as client, client.session() as s:
         with pytest.raises(GetTimeoutError, match="no value"):
             SemanticVariable(s, "sv_1").get(timeout=0)
-    assert seen == [0.0]
+    assert seen == [sdk.client.MIN_WAIT_S]
 
 
 def sse(*events: Any, done: bool = True) -> bytes:
@@ -382,6 +384,9 @@ def test_everything_is_exported() -> None:
 
 # ============================================== end to end: interlace serve
 API_KEY = "sdk-test-key"
+NO_TOOLS_KEY = "sdk-test-key-without-tools"
+MAX_VARIABLES = 64
+MAX_BYTES = 65536
 MAX_TOKENS = 12
 
 
@@ -397,7 +402,10 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("sdk_server")
     cfg = root / "config.yaml"
     cfg.write_text(json.dumps({  # JSON is YAML
-        "server": {"api_keys": [{"key": API_KEY, "name": "sdk"}], "default_max_tokens": 64},
+        "server": {"api_keys": [{"key": API_KEY, "name": "sdk", "server_tools": ["calculator"]},
+                                {"key": NO_TOOLS_KEY, "name": "sdk_no_tools"}],
+                   "default_max_tokens": 64,
+                   "sessions": {"max_variables": MAX_VARIABLES, "max_bytes": MAX_BYTES}},
         "models": {"smollm2": {"path": "embedded", "kv_cache_tokens": 8192, "dtype": "float32"}},
     }))
     port = _free_port()
@@ -469,13 +477,34 @@ def test_e2e_async_gather(server: str) -> None:
             async with aclient.session() as s:
                 facts = await asyncio.gather(*(topic_of(x) for x in subjects))
                 values = await asyncio.gather(*(f.aget(criterion="throughput", timeout=120) for f in facts))
+                call = await s.submit(PROMPT, outputs={"out": Output(max_tokens=MAX_TOKENS)})
+                deltas = [d async for d in call.output.astream()]
+                objective = (await call.ainfo())["objective"]
                 info = await s.info()
-        return facts, values, info
+        return facts, values, deltas, call.output.value, objective, info
 
-    facts, values, info = asyncio.run(run())
+    facts, values, deltas, streamed, objective, info = asyncio.run(run())
     assert len({f.id for f in facts}) == len(subjects)
-    assert all(isinstance(v, str) and v for v in values)
-    assert info["calls"]["done"] == len(subjects)
+    assert all(isinstance(v, str) and v for v in values) and [f.value for f in facts] == values
+    assert len(deltas) > 1 and "".join(deltas) == streamed
+    assert objective is None   # no criterion given for the streamed one
+    assert info["calls"]["done"] == len(subjects) + 1
+
+
+def test_e2e_criterion_reaches_the_scheduler(client: Client) -> None:
+    with client.session() as s:
+        subject = s.variable(name="subject")
+        fact = topic_of(subject)
+        question = question_about(fact)
+        other = question_about(fact)
+        with pytest.raises(GetTimeoutError):
+            question.get(criterion="latency", timeout=0.1)   # recorded even though it timed out
+        # the producer and its single predecessor are latency-critical; a sibling is not
+        assert [v.producer.info()["objective"] for v in (question, fact, other)] == ["latency", "latency", None]
+        upfront = s.submit(PROMPT, outputs={"out": Output(max_tokens=2, criterion="throughput")})
+        assert upfront.info()["objective"] == "throughput"
+        subject.set("glaciers")
+        assert question.get(timeout=120) and other.get(timeout=120)
 
 
 PROMPT = "Q: What is the capital of France?\nA:{{out}}"
@@ -544,7 +573,11 @@ def test_e2e_set_a_declared_variable_and_conflict(client: Client) -> None:
         subject = s.variable(name="subject")
         fact = topic_of(subject)
         with pytest.raises(GetTimeoutError):
-            fact.get(timeout=0.5)  # nothing can run before the input is set
+            fact.get(timeout=0)    # nothing can run before the input is set
+        t0 = time.monotonic()
+        with pytest.raises(GetTimeoutError, match="ask again"):
+            fact.get(timeout=0.5)
+        assert time.monotonic() - t0 >= 0.5
         subject.set("volcanoes")
         assert fact.get(timeout=120)
         with pytest.raises(ConflictError):
@@ -561,6 +594,36 @@ def test_e2e_session_is_freed_on_exit(client: Client) -> None:
     assert info.value.code == "session_not_found"
     with pytest.raises(NotFoundError):
         v.get(timeout=1)
+    with pytest.raises(NotFoundError):
+        s.delete()   # delete() reports that it is gone; close() (the with block's) does not mind
+    s.close()
+
+
+def test_e2e_tool_node(server: str, client: Client) -> None:
+    with client.session() as s:
+        expr = s.variable(name="expr")
+        call = s.tool("calculator", {"expression": "{{expr}}"}, inputs={"expr": expr},
+                      output=Output(transform={"json_field": "result"}))
+        expr.set("6*7")
+        assert call.output.get(timeout=60) == "42"
+        assert call.info()["kind"] == "tool" and call.info()["state"] == "done"
+    with Client(server, api_key=NO_TOOLS_KEY) as other, other.session() as s:
+        with pytest.raises(PermissionDeniedError) as info:
+            s.tool("calculator", {"expression": "1+1"})
+        assert info.value.status == 403 and "calculator" in str(info.value)
+
+
+def test_e2e_session_limits(client: Client) -> None:
+    with client.session() as s:
+        with pytest.raises(SessionLimitError) as info:
+            s.variable("x" * (MAX_BYTES + 1))
+        assert (info.value.status, info.value.code) == (413, "session_bytes")
+        for _ in range(MAX_VARIABLES):
+            s.variable("v")
+        with pytest.raises(SessionLimitError) as info:
+            s.variable("one too many")
+        assert (info.value.status, info.value.code) == (429, "session_limit")
+        assert s.info()["variables"] == MAX_VARIABLES
 
 
 LONG_PREFIX = ("You are a careful assistant that answers questions about geography, history and science. "
