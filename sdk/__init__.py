@@ -10,7 +10,7 @@
     with Client(model="smollm2") as client, client.session():
         print(summarize("...").get())
 
-Only httpx is needed (no torch, nothing of the server).
+It speaks HTTP (httpx) and imports neither torch nor the engine.
 """
 
 from .client import (DEFAULT_BASE_URL, AsyncClient, AsyncSession, Call, Client, SemanticVariable, Session,

@@ -162,8 +162,9 @@ class AsyncClient(_ClientBase):
                 if not r.is_success:
                     await r.aread()
                     wire.decode(r)
-                async for event in wire.asse_events(r.aiter_lines()):
-                    yield event
+                async with contextlib.aclosing(wire.asse_events(r.aiter_lines())) as events:
+                    async for event in events:
+                        yield event
 
 
 # ----------------------------------------------------------------- sessions
@@ -187,6 +188,9 @@ class _SessionBase:
 
     def _leave(self) -> None:
         _current.reset(self._entered.pop())
+
+    def _variable_request(self, value: Optional[str], name: Optional[str]) -> wire.Request:
+        return wire.create_variable(self.id, self.token, None if value is None else _text(value), name)
 
     def _variable(self, body: Mapping[str, Any], value: Optional[str]) -> "SemanticVariable":
         return SemanticVariable(self, body["id"], body.get("name"), value)
@@ -227,7 +231,7 @@ class Session(_SessionBase):
 
     def variable(self, value: Optional[str] = None, name: Optional[str] = None) -> "SemanticVariable":
         """A new variable: set to ``value``, or declared (a call may produce it, or :meth:`SemanticVariable.set`)."""
-        return self._variable(self.client._send(wire.create_variable(self.id, self.token, value, name)), value)
+        return self._variable(self.client._send(self._variable_request(value, name)), value)
 
     def submit(self, template: str, inputs: Optional[Mapping[str, InputValue]] = None,
                outputs: Optional[Mapping[str, OutputValue]] = None, model: Optional[str] = None,
@@ -283,7 +287,7 @@ class AsyncSession(_SessionBase):
     client: AsyncClient
 
     async def variable(self, value: Optional[str] = None, name: Optional[str] = None) -> "SemanticVariable":
-        return self._variable(await self.client._send(wire.create_variable(self.id, self.token, value, name)), value)
+        return self._variable(await self.client._send(self._variable_request(value, name)), value)
 
     async def submit(self, template: str, inputs: Optional[Mapping[str, InputValue]] = None,
                      outputs: Optional[Mapping[str, OutputValue]] = None, model: Optional[str] = None,
@@ -470,10 +474,12 @@ class SemanticVariable:
     async def astream(self, criterion: Optional[str] = None) -> AsyncIterator[str]:
         session = self._of(AsyncSession, "astream")
         self.value = None
-        async for event in session.client._stream(self._request(criterion, None, stream=True)):
-            delta = self._event(event)
-            if delta is not None:
-                yield delta
+        # aclosing: an error event ends the HTTP stream now, not when the generator is collected.
+        async with contextlib.aclosing(session.client._stream(self._request(criterion, None, stream=True))) as events:
+            async for event in events:
+                delta = self._event(event)
+                if delta is not None:
+                    yield delta
         if self.value is None:
             raise self._no_value()
 

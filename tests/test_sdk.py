@@ -200,9 +200,11 @@ def test_calls_outside_a_session_fail_clearly_and_sessions_nest() -> None:
 
 
 def test_input_types_are_checked() -> None:
-    with FakeServer(fake_session_routes([])).client() as client, client.session():
+    with FakeServer(fake_session_routes([])).client() as client, client.session() as s:
         with pytest.raises(TypeError, match="SemanticVariable or a str"):
             write_code(42)
+        with pytest.raises(TypeError, match="text"):
+            s.variable(42)
         with pytest.raises(TypeError, match="missing a required argument"):
             write_code()
 
@@ -373,6 +375,17 @@ def test_close_tolerates_an_already_expired_session_but_delete_does_not() -> Non
         with client.session() as s2:
             pass
         assert s2.closed
+
+
+def test_the_sdk_imports_neither_torch_nor_the_engine() -> None:
+    from test_public_api import run_without_torch
+
+    proc = run_without_torch("""
+        import sys
+        import interlace.sdk
+        assert not any(m.startswith(("torch", "interlace.engine_ext")) for m in sys.modules), sorted(sys.modules)
+    """)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_everything_is_exported() -> None:
@@ -597,6 +610,16 @@ def test_e2e_session_is_freed_on_exit(client: Client) -> None:
     with pytest.raises(NotFoundError):
         s.delete()   # delete() reports that it is gone; close() (the with block's) does not mind
     s.close()
+
+
+def test_e2e_an_idle_session_expires_after_its_ttl(client: Client) -> None:
+    with client.session(ttl_s=1) as s:
+        assert s.ttl_s == 1
+        v = s.variable("short-lived")
+        time.sleep(1.5)
+        with pytest.raises(NotFoundError, match="expired"):
+            v.get(timeout=1)
+    assert s.closed   # leaving the block did not fail on the session that was already gone
 
 
 def test_e2e_tool_node(server: str, client: Client) -> None:
