@@ -73,6 +73,10 @@ class _ClientBase:
             return httpx.USE_CLIENT_DEFAULT
         return httpx.Timeout(self.timeout, read=self.timeout + req.wait_s)
 
+    #: A blocking get holds its connection while it waits, so a pool bound would make the
+    #: 101st concurrent ``aget`` wait for a connection instead of for its value.
+    LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+
     def _stream_timeout(self) -> httpx.Timeout:
         # A producer may wait on its inputs for as long as they take: no read timeout between events.
         return httpx.Timeout(self.timeout, read=None)
@@ -93,7 +97,7 @@ class Client(_ClientBase):
     def __init__(self, base_url: str = DEFAULT_BASE_URL, api_key: Optional[str] = None, model: Optional[str] = None,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, *, transport: Optional[httpx.BaseTransport] = None):
         super().__init__(base_url, api_key, model, timeout)
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
+        self._http = httpx.Client(base_url=base_url, timeout=timeout, limits=self.LIMITS, transport=transport)
 
     def session(self, ttl_s: Optional[float] = None) -> "Session":
         """Create a session (``POST /v1/sessions``).  Use it as ``with client.session() as s:``
@@ -133,7 +137,8 @@ class AsyncClient(_ClientBase):
     def __init__(self, base_url: str = DEFAULT_BASE_URL, api_key: Optional[str] = None, model: Optional[str] = None,
                  timeout: Optional[float] = DEFAULT_TIMEOUT, *, transport: Optional[httpx.AsyncBaseTransport] = None):
         super().__init__(base_url, api_key, model, timeout)
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=self.LIMITS,
+                                       transport=transport)
 
     def session(self, ttl_s: Optional[float] = None) -> "_OpeningSession":
         """A session to open: ``async with client.session() as s:`` (current, freed at the end)
