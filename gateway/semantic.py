@@ -421,7 +421,9 @@ class SessionGraph:
         if unknown:
             raise _bad(f"unknown key(s) {unknown} in an LLM call; expected some of {sorted(LLM_KEYS)}")
         model = body.get("model")
-        if model not in self.services.models:
+        if model is None:
+            raise _bad(f"model is required (one of {', '.join(self.services.models)})", "model")
+        if not isinstance(model, str) or model not in self.services.models:
             raise APIError(404, f"the model {model!r} does not exist (available: "
                                 f"{', '.join(self.services.models)})", param="model", code="model_not_found")
         template = body.get("template")

@@ -117,8 +117,8 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
                 timeout = float(q["timeout_s"])
             except ValueError:
                 timeout = -1.0
-            if not 0 < timeout <= 86400:
-                raise APIError(400, "timeout_s must be a number of seconds in (0, 86400]", param="timeout_s")
+            if not 0 <= timeout <= 86400:  # 0: answer at once (408 if no value yet)
+                raise APIError(400, "timeout_s must be a number of seconds in [0, 86400]", param="timeout_s")
         s.graph.note_criterion(var, criterion)
         if stream in ("true", "1"):
             return StreamingResponse(_stream(s, var, timeout), media_type="text/event-stream",
@@ -127,6 +127,8 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
 
         async def wait() -> None:
             try:
+                if timeout == 0 and not var.done:
+                    raise asyncio.TimeoutError
                 await asyncio.wait_for(var.wait(), timeout)
             except asyncio.TimeoutError:
                 raise APIError(408, f"variable {var.id} has no value after {timeout} s; ask again",

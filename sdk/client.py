@@ -31,8 +31,6 @@ DEFAULT_TIMEOUT = 60.0
 #: The longest single blocking ``get``: a longer wait asks again (the contract's 408 says
 #: "ask again"), so no HTTP request has to stay open longer than this plus the timeout.
 POLL_S = 30.0
-#: The shortest wait a get asks for (``get(timeout=0)``: is there a value yet?).
-MIN_WAIT_S = 0.001
 
 AnySession = Union["Session", "AsyncSession"]
 #: What an input may be bound to: a variable (its value flows on the server) or a constant.
@@ -366,8 +364,8 @@ class _Deadline:
     def next_wait(self) -> float:
         if self.end is None:
             return POLL_S
-        # The server takes a wait in (0, ...]: "has it a value yet?" is the shortest wait it allows.
-        return max(MIN_WAIT_S, min(POLL_S, self.end - time.monotonic()))
+        # 0 asks "has it a value yet?" and is answered at once
+        return max(0.0, min(POLL_S, self.end - time.monotonic()))
 
     def passed(self) -> bool:
         return self.end is not None and time.monotonic() >= self.end

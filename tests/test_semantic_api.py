@@ -142,6 +142,7 @@ def test_diamond_runs_server_side_and_set_releases_waiting_calls(live, http):
     assert info["calls"]["pending"] == 3 and info["calls"]["running"] == 0
     r = s.get(d["outputs"]["out"], timeout_s=0.2)  # nothing can run yet
     assert r.status_code == 408 and r.json()["error"]["code"] == "timeout"
+    assert s.get(d["outputs"]["out"], timeout_s=0).status_code == 408  # "is it there yet?", answered at once
     assert http.put(s.url(f"/variables/{topic}"), json={"value": "tea"}, headers=s.h).status_code == 200
     final = s.value(d["outputs"]["out"], criterion="latency")
     va, vb = s.value(a), s.value(b)
@@ -207,6 +208,8 @@ def test_cycles_unknown_variables_and_bad_templates_are_refused_keeping_nothing(
         assert r.status_code == status, (body, r.text)
         if code:
             assert r.json()["error"]["code"] == code
+    r = http.post(s.url("/calls"), json={"template": "{{output:o}}"}, headers=s.h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     after = http.get(s.url(), headers=s.h).json()
     assert after["variables"] == before["variables"] and after["calls"] == before["calls"]
     s.delete()
