@@ -140,8 +140,9 @@ class Gateway:
             await self.runtime.start()
             self.services = Services(self.models, self.runtime, cfg.default_max_tokens,
                                      may_use_tool=lambda caller, tool: may_use_tool(
-                                         guard_.permissions(cfg, caller)[0], tool))
+                                         guard_.permissions(cfg, caller)[0], tool), metrics=self.metrics)
             self.sessions = SessionStore(self.services, cfg.sessions)
+            self.metrics.sessions.set_function(lambda s=self.sessions: len(s.sessions))
             await self.sessions.start()
             self.host.startup(app)
         except BaseException:

@@ -41,6 +41,14 @@ class Metrics:
         self.retention_tokens = Gauge("interlace_retention_tokens", "Tokens of the contexts retained now",
                                       ["model"], registry=r)
 
+        # Semantic Variables (gateway/semantic.py)
+        self.sessions = Gauge("interlace_sessions", "Semantic Variables sessions open now", registry=r)
+        self.semantic_calls = Counter("interlace_semantic_calls", "Semantic calls finished", ["kind", "outcome"],
+                                      registry=r)
+        self.semantic_tokens = Counter(
+            "interlace_semantic_prompt_tokens", "Prompt tokens of semantic calls: filled, or forked from a shared "
+            "prefix context instead", ["model", "kind"], registry=r)
+
     def watch_engine(self, model: str, used: Callable[[], int], total: int) -> None:
         self.kv_blocks.labels(model).set_function(used)
         self.kv_blocks_total.labels(model).set(total)

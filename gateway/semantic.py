@@ -173,8 +173,8 @@ class Services:
     stores).  Built once by the gateway; shared by all sessions."""
 
     def __init__(self, models: Dict[str, Any], runtime: Any, default_max_tokens: int,
-                 may_use_tool: Any = lambda caller, tool: False):
-        self.models, self.runtime = models, runtime
+                 may_use_tool: Any = lambda caller, tool: False, metrics: Any = None):
+        self.models, self.runtime, self.metrics = models, runtime, metrics
         self.default_max_tokens = default_max_tokens
         self.may_use_tool = may_use_tool
         self.prefixes: Dict[str, PrefixStore] = {}
@@ -565,6 +565,7 @@ class SessionGraph:
             else:
                 await self._run_llm(call, *plan)
             call.state = "done"
+            self._count(call, "ok")
         except asyncio.CancelledError:
             self._fail(call, {"message": "the session was closed while the call ran", "call": call.id,
                               "code": "session_closed"})
@@ -579,6 +580,10 @@ class SessionGraph:
             log.exception("semantic call %s failed", call.id)
             self._fail(call, {"message": f"internal error ({type(e).__name__}): {e}", "call": call.id,
                               "code": "internal_error"})
+
+    def _count(self, call: Call, outcome: str) -> None:
+        if self.services.metrics is not None:
+            self.services.metrics.semantic_calls.labels(call.kind, outcome).inc()
 
     def _value(self, call: Call, name: str) -> str:
         bound = call.inputs[name]
@@ -600,8 +605,13 @@ class SessionGraph:
             await engine.fill(ctx, rest, parent_context_id=shared.entry.context_id if shared else None,
                               hint=call.hint())
             made = True
-            self.usage.filled_tokens += len(rest) + (shared.filled if shared else 0)
-            self.usage.forked_tokens += (shared.entry.tokens - shared.filled) if shared else 0
+            filled = len(rest) + (shared.filled if shared else 0)
+            forked = (shared.entry.tokens - shared.filled) if shared else 0
+            self.usage.filled_tokens += filled
+            self.usage.forked_tokens += forked
+            if self.services.metrics is not None:
+                self.services.metrics.semantic_tokens.labels(call.model, "filled").inc(filled)
+                self.services.metrics.semantic_tokens.labels(call.model, "forked").inc(forked)
             first = next(i for i, (k, _) in enumerate(call.items) if k == "output")
             i = first
             while i < len(call.items):
@@ -686,6 +696,7 @@ class SessionGraph:
             if c.state in ("done", "failed"):
                 continue
             c.state, c.error = "failed", err
+            self._count(c, "error")
             for o in c.outputs.values():
                 if o.var.done:
                     continue

@@ -278,6 +278,12 @@ def test_a_shared_prefix_is_filled_once_and_forked(live, http):
     assert usage["filled_tokens"] == usage["prompt_tokens"] - 2 * shared
     # the engine computed the shared prefix once (plus each call's own question and the decodes' inputs)
     assert shared + 3 * 4 <= prefilled < 2 * shared, (prefilled, shared)
+    metrics = http.get("/metrics").text
+    forked = [ln for ln in metrics.splitlines()
+              if ln.startswith("interlace_semantic_prompt_tokens_total") and 'kind="forked"' in ln
+              and 'model="nocache"' in ln]
+    assert forked and float(forked[0].split()[-1]) >= 2 * shared
+    assert "interlace_sessions " in metrics
     s.delete()
     st = idle_engine(live, "nocache")
     assert st["contexts"] == 0 and st["used_blocks"] == 0
