@@ -163,6 +163,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from interlace.bench import trace as bench_trace
 
         return bench_trace.main(args.rest)
+    if args.what == "apps":
+        from interlace.bench import apps as bench_apps
+
+        return bench_apps.main(args.rest)
     print(f"unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -200,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=cmd_plugins)
 
     b = sub.add_parser("bench", help="run a benchmark (engine, tools, trace)")
-    b.add_argument("what", choices=["engine", "tools", "trace"])
+    b.add_argument("what", choices=["engine", "tools", "trace", "apps"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 

@@ -1,0 +1,881 @@
+"""Parrot's applications, request-centric against Semantic Variables (``interlace bench apps``).
+
+    interlace bench apps [--apps chain,mapreduce,shared,multiagent] [--repeats 3] [--seed 0]
+                         [--out-png docs/bench_apps.png] [--json out.json] [--quick]
+
+Parrot (OSDI '24, section 8) measures four application shapes against the
+same applications written as an application would call an OpenAI-style
+endpoint, with 200-300 ms of simulated network delay per request.  Here they
+run on the native engine with the embedded model (SmolLM2-135M-Instruct,
+float32, CPU), the gateway in process on loopback (uvicorn in a thread; the
+engine's counters are read directly):
+
+* ``chain``      chain summary of the bundled document (``bench/data``),
+  cut into ``--chunks`` pieces of ``--chunk-tokens`` tokens: each step
+  summarises the summary so far plus the next piece.
+* ``mapreduce``  one summary per piece (map), then one of all of them (reduce).
+* ``shared``     ``--users`` users of one GPTs-style application: a long
+  system prompt (``--system-tokens``) and a short query each; every user is a
+  separate client (a separate session), all arriving together.
+* ``multiagent`` MetaGPT-style: an architect designs ``--files`` files, a
+  coder writes each, a reviewer reviews each (every reviewer's prompt holds
+  the whole project's code), the coder revises it; review and revision
+  repeat ``--rounds`` times.
+
+Each application runs, in one invocation and each on a fresh gateway (so no
+variant finds another's KV in the prefix cache), as
+
+* ``a-seq``  request-centric: ``POST /v1/chat/completions`` for each call in
+  program order, each awaited before the next;
+* ``a-par``  request-centric, the stronger baseline: the independent calls of
+  one stage issued together (``asyncio.gather``), stage after stage;
+* ``b``      Semantic Variables (``docs/semantic-variables.md``) through the
+  SDK's :class:`interlace.sdk.AsyncClient`: a session per client, every call
+  submitted up front (the first stage at once, the variables the later stages
+  write declared meanwhile, then the rest, all with ``chat: true``), the
+  final variables fetched once (their producers marked ``criterion:
+  latency`` at submit);
+* ``*-nocache`` the same on an engine without its block-hash prefix cache
+  (``prefix_caching: false``; the shared-prompt application only, as Parrot
+  compares against both).
+
+A variant equal to another for an application is not run twice (``chain``
+has one call per stage, so ``a-par`` is ``a-seq``; the users of ``shared``
+are separate clients arriving together, so it has no ``a-seq``).
+
+The network: every HTTP request the application makes (chat completion,
+session, variable, call, fetch) waits a delay drawn uniformly from
+``--delay-ms`` (seeded; the i-th request of every variant draws the same
+delay), half before it is sent and half after its answer arrived: client-side
+sleeps around the request (an :class:`httpx.AsyncBaseTransport` wrapper, the
+transport of both the plain httpx client and the SDK's).  Session creation is
+charged to ``b``; so are the SDK's re-asks of a long blocking get (it polls
+in 30 s waits).
+
+Measured per run: end-to-end latency (the application's first request to its
+last answer), prompt tokens the engine prefilled (its ``prefill_tokens``
+counter; a 1-token chunk after a cached prefix counts as decode there), the
+peak of KV blocks in use (sampled every 5 ms; cached but unreferenced blocks
+are not in use), output tokens and prompt tokens as the server reports them
+(``usage`` of each completion; the sessions' ``usage``), and whether the final
+texts equal the request-centric run's (greedy decoding: they should, up to
+the float differences of other batch shapes).  Prompts are the same text: the
+request-centric call sends the user turn that ``chat: true`` makes of the
+semantic call's template (SmolLM2's chat template adds its default system
+prompt to both).  Outputs are ``--output-tokens`` long at most, greedy;
+the prompts ask for more than that, so calls end at ``max_tokens`` (counted).
+Each placeholder follows a single newline: the server tokenizes a template's
+pieces separately, and a piece ending in ``"\n\n"`` tokenizes differently
+from the same text inside one string (one token instead of two).
+
+Torch runs one thread by default (``--threads``): on a 2-core machine with two,
+one busy neighbour stalls every OpenMP barrier (a 312-token prompt took 20 s
+instead of 3 s while another gateway ran tests beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import socket
+import statistics
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import httpx
+
+from interlace.bench import describe_machine, machine as machine_description
+
+DATA = Path(__file__).resolve().parent / "data" / "declaration_lincoln.txt"
+MODEL = "smollm2"
+APPS = ("chain", "mapreduce", "shared", "multiagent")
+VARIANT_ORDER = ("a-seq", "a-par", "a-par-nocache", "b", "b-nocache")
+
+
+class BenchError(ValueError):
+    """Bad benchmark input (an unknown app, a bad size): the message names the option."""
+
+
+# =========================================================================== applications
+@dataclass
+class Call:
+    """One LLM call: ``text`` is the user turn with ``{{input:NAME}}`` placeholders;
+    ``inputs`` binds each NAME to another call's output (``("var", name)``) or a
+    constant (``("const", text)``); the call writes the variable ``out``."""
+
+    out: str
+    text: str
+    inputs: Dict[str, Tuple[str, str]]
+    max_tokens: int
+    stage: int
+    client: int = 0
+
+
+@dataclass
+class App:
+    name: str
+    calls: List[Call]
+    finals: List[str]
+    about: str
+    clients: int = 1
+
+    def stages(self) -> List[List[Call]]:
+        n = max(c.stage for c in self.calls) + 1
+        return [[c for c in self.calls if c.stage == s] for s in range(n)]
+
+
+@dataclass
+class Sizes:
+    chunks: int = 8
+    chunk_tokens: int = 256
+    output_tokens: int = 32
+    users: int = 16
+    system_tokens: int = 800
+    files: int = 4
+    rounds: int = 2
+
+
+FULL = Sizes()
+QUICK = Sizes(chunks=3, chunk_tokens=96, output_tokens=12, users=4, system_tokens=256, files=2, rounds=1)
+
+_PLACEHOLDER = re.compile(r"\{\{input:([A-Za-z_][A-Za-z0-9_]*)\}\}")
+
+
+def render(text: str, values: Dict[str, str]) -> str:
+    """The template with every ``{{input:NAME}}`` replaced by its value, in one pass."""
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
+
+
+def load_document() -> str:
+    return DATA.read_text(encoding="utf-8")
+
+
+def chunk_text(tokenizer, text: str, n: int, size: int) -> List[str]:
+    """The first ``n`` pieces of ``size`` tokens of ``text`` (decoded back to text)."""
+    ids = tokenizer.encode(text)
+    if len(ids) < n * size:
+        raise BenchError(f"the document has {len(ids)} tokens: fewer than --chunks {n} x --chunk-tokens {size}")
+    return [tokenizer.decode(ids[i * size:(i + 1) * size]).strip() for i in range(n)]
+
+
+def chain_app(chunks: Sequence[str], out: int) -> App:
+    calls = [Call("summary_0", "Summarize the following text in detail.\n{{input:chunk}}",
+                  {"chunk": ("const", chunks[0])}, out, 0)]
+    for i in range(1, len(chunks)):
+        calls.append(Call(f"summary_{i}",
+                          "Here is a summary of a document so far:\n{{input:summary}}\n\n"
+                          "Here is the next part of the document:\n{{input:chunk}}\n\n"
+                          "Write an updated, detailed summary that covers both.",
+                          {"summary": ("var", f"summary_{i - 1}"), "chunk": ("const", chunks[i])}, out, i))
+    return App("chain", calls, [f"summary_{len(chunks) - 1}"],
+               f"chain summary, {len(chunks)} pieces, {out} tokens per step")
+
+
+def mapreduce_app(chunks: Sequence[str], out: int) -> App:
+    calls = [Call(f"part_{i}", "Summarize the following part of a document in detail.\n{{input:chunk}}",
+                  {"chunk": ("const", c)}, out, 0) for i, c in enumerate(chunks)]
+    body = "\n\n".join(f"Part {i + 1}:\n{{{{input:s{i}}}}}" for i in range(len(chunks)))
+    calls.append(Call("summary", "Here are summaries of the parts of a document, in order.\n\n" + body
+                      + "\n\nWrite one detailed summary of the whole document.",
+                      {f"s{i}": ("var", f"part_{i}") for i in range(len(chunks))}, out, 1))
+    return App("mapreduce", calls, ["summary"], f"map-reduce summary, {len(chunks)} pieces, {out} tokens per call")
+
+
+SYSTEM_PROMPT = """You are TripMate, a travel-planning assistant built for a travel agency's customers. Your job is to help each customer plan a trip that fits their budget, their interests and the time they have. Follow every rule below in every answer.
+
+Role and tone. Be warm, brief and practical. Write for a traveller reading on a phone: short paragraphs, lists where they help, no long introductions. Never pretend to be a human agent; if a customer asks, say you are an automated assistant of the agency. Do not use slang or emoji. Address the customer directly.
+
+What you know. You know geography, typical seasons and weather, how travellers usually get around in a city, common sights, neighbourhoods, local food, customs, etiquette, typical price levels, and the paperwork travellers often need. You do not know today's prices, schedules, opening hours, exchange rates or availability: say that such details must be checked with the agency or the provider before booking, and never invent a specific price, flight number, hotel name that you are unsure exists, or a timetable.
+
+How to plan. First make sure you know the destination, the number of days, the month of travel, the budget level (shoestring, moderate or comfortable), who travels (alone, a couple, a family with children, a group) and the main interests (history, food, nature, art, nightlife, shopping, relaxation). If one of these is missing and it matters for the answer, make a reasonable assumption, state it in one line at the top, and go on; ask at most one short question at the end. Then give a day-by-day plan. For each day give a morning, an afternoon and an evening item, grouped by neighbourhood so that the traveller does not cross the city twice in one day. Mention how to get between the places (walk, metro, bus, taxi, train) and roughly how long it takes. Add one food suggestion per day that fits the budget. End with three practical tips for the destination (money, safety, local customs or transport passes).
+
+Safety rules. Never encourage anything illegal or dangerous, such as entering closed areas, hiking alone in unsafe conditions, or driving after drinking. For health questions, give general advice only and suggest seeing a doctor or a travel clinic. For visas and entry rules, say which kind of document is usually needed and that the traveller must confirm the current rules with the official embassy or consulate. If a destination has an official travel warning that you know of, mention that warnings change and must be checked. Do not collect personal data: never ask for passport numbers, card numbers or addresses.
+
+Accessibility and families. If a traveller mentions reduced mobility, prefer step-free routes, fewer long walks and places with lifts; say which sights are known to be hard to reach. For families with small children, include rest breaks, parks and early dinners, and avoid plans with more than two long visits per day.
+
+Budget levels. Shoestring: hostels or guesthouses, street food and markets, free sights and walking tours, public transport only. Moderate: three-star hotels or apartments, casual restaurants, a few paid museums, public transport and the occasional taxi. Comfortable: four- or five-star hotels, well-known restaurants, guided tours, taxis or private transfers.
+
+Examples of good answers. Customer: Three days in Lisbon in April, moderate budget, a couple who like food and history. TripMate: Day 1, Alfama: morning at the castle, afternoon walking down to the cathedral and the old streets, evening fado dinner in the neighbourhood. Day 2, Belem by tram 15: monastery and tower in the morning, the pastry shop nearby, afternoon at the riverside museum, evening in Bairro Alto. Day 3, a day trip by train to Sintra, back for dinner in the Baixa. Tips: buy a rechargeable transport card, wear shoes with grip for the steep cobbles, book fado dinners ahead.
+
+Customer: A weekend in Vienna in December with two children. TripMate: Day 1, the old centre: the cathedral and a Christmas market in the morning, lunch break, the natural history museum in the afternoon, early dinner. Day 2, Schoenbrunn palace grounds and the zoo, rest at the hotel after lunch, an evening walk past the lights on the Ring. Tips: dress warmly, many shops close on Sunday, buy a day ticket for public transport.
+
+Format. Start with the plan; no preamble. Keep each answer under three hundred words unless the customer asks for more detail. If the customer writes in another language, answer in that language."""
+
+USER_QUERIES = [
+    "Four days in Kyoto in November, moderate budget, I love temples and food.",
+    "A weekend in Paris with my parents, one of them uses a wheelchair.",
+    "Five days in Iceland in July on a shoestring budget, I like hiking.",
+    "Three days in New York in December with two teenagers.",
+    "A week in Morocco in spring for a couple who like markets and desert trips.",
+    "Two days in Rome in August, comfortable budget, history and art.",
+    "Three days in Barcelona for a group of friends who like nightlife and beaches.",
+    "A long weekend in Prague in winter, shoestring budget, solo traveller.",
+    "Six days in Peru including Machu Picchu, moderate budget.",
+    "Three days in Singapore with small children, comfortable budget.",
+    "A week in Scotland by train in September, I like castles and whisky.",
+    "Two days in Istanbul in May for a couple interested in food.",
+    "Four days in Mexico City, moderate budget, art and street food.",
+    "Five days in Vietnam, from Hanoi to Ha Long Bay, shoestring budget.",
+    "A weekend in Amsterdam in April, museums and cycling.",
+    "Three days in Cape Town in January with a family, nature and beaches.",
+]
+
+
+def system_prompt(tokenizer, n_tokens: int) -> str:
+    """The system prompt, cut to ``n_tokens`` tokens (repeated if asked for more than it has)."""
+    ids = tokenizer.encode(SYSTEM_PROMPT)
+    while len(ids) < n_tokens:
+        ids = ids + tokenizer.encode("\n\n" + SYSTEM_PROMPT)
+    return tokenizer.decode(ids[:n_tokens]).strip()
+
+
+def shared_app(system: str, users: int, out: int) -> App:
+    calls = [Call(f"answer_{u}", system + "\n\nCustomer:\n{{input:query}}\nTripMate:",
+                  {"query": ("const", USER_QUERIES[u % len(USER_QUERIES)])}, out, 0, client=u)
+             for u in range(users)]
+    return App("shared", calls, [c.out for c in calls],
+               f"{users} users sharing a system prompt, {out} tokens per answer", clients=users)
+
+
+TASK = ("A command-line to-do list manager in Python: add, list, complete and delete tasks, "
+        "saved in a JSON file, with due dates and priorities.")
+FILES = ["models.py", "storage.py", "cli.py", "utils.py", "reports.py", "config.py", "search.py", "export.py"]
+
+
+def multiagent_app(files: int, rounds: int, out: int) -> App:
+    names = FILES[:files]
+    calls = [Call("design", "You are the software architect of a small team. The task:\n{{input:task}}\n"
+                  f"The project has these files: {', '.join(names)}. For each file, list the classes and "
+                  "functions it must define, with their signatures and one line on what each does.",
+                  {"task": ("const", TASK)}, out, 0)]
+    coder = ("You are a Python programmer on a small team. The architect's design of the project:\n"
+             "{{input:design}}\n\n")
+    for i, f in enumerate(names):
+        calls.append(Call(f"code_{i}_r0", coder + f"Write the complete code of the file {f}, following the design. "
+                          "Answer with the code only.", {"design": ("var", "design")}, out, 1))
+    stage = 2
+    for r in range(rounds):
+        project = "".join(f"# file {f}\n{{{{input:code{j}}}}}\n\n" for j, f in enumerate(names))
+        for i, f in enumerate(names):
+            calls.append(Call(f"review_{i}_r{r}",
+                              "You are a code reviewer on a small team. The architect's design:\n{{input:design}}\n\n"
+                              "The current code of the project:\n" + project
+                              + f"Review the file {f}: list its bugs and what is missing, as short bullet points.",
+                              {"design": ("var", "design"),
+                               **{f"code{j}": ("var", f"code_{j}_r{r}") for j in range(len(names))}}, out, stage))
+        for i, f in enumerate(names):
+            calls.append(Call(f"code_{i}_r{r + 1}",
+                              coder + f"Your code of the file {f}:\n{{{{input:code}}}}\n\n"
+                              "The reviewer's comments:\n{{input:review}}\n\n"
+                              f"Rewrite {f} addressing every comment. Answer with the code only.",
+                              {"design": ("var", "design"), "code": ("var", f"code_{i}_r{r}"),
+                               "review": ("var", f"review_{i}_r{r}")}, out, stage + 1))
+        stage += 2
+    return App("multiagent", calls, [f"code_{i}_r{rounds}" for i in range(len(names))],
+               f"multi-agent review loop, {files} files, {rounds} rounds, {out} tokens per call")
+
+
+def build_apps(names: Sequence[str], sizes: Sizes, tokenizer) -> List[App]:
+    out = []
+    chunks = None
+    for n in names:
+        if n in ("chain", "mapreduce") and chunks is None:
+            chunks = chunk_text(tokenizer, load_document(), sizes.chunks, sizes.chunk_tokens)
+        if n == "chain":
+            out.append(chain_app(chunks, sizes.output_tokens))
+        elif n == "mapreduce":
+            out.append(mapreduce_app(chunks, sizes.output_tokens))
+        elif n == "shared":
+            out.append(shared_app(system_prompt(tokenizer, sizes.system_tokens), sizes.users, sizes.output_tokens))
+        elif n == "multiagent":
+            out.append(multiagent_app(sizes.files, sizes.rounds, sizes.output_tokens))
+    return out
+
+
+def variants_for(app: App) -> Tuple[List[str], Dict[str, str]]:
+    """The variants run for ``app``, and ``{variant: same as}`` for the ones not run twice."""
+    if app.name == "shared":
+        return ["a-par", "a-par-nocache", "b", "b-nocache"], {}
+    if all(len(s) == 1 for s in app.stages()):
+        return ["a-seq", "b"], {"a-par": "a-seq"}
+    return ["a-seq", "a-par", "b"], {}
+
+
+# =========================================================================== the network
+class DelayedTransport(httpx.AsyncBaseTransport):
+    """An httpx async transport that sleeps ``delay/2`` before sending each request
+    and ``delay/2`` after its answer arrived (the whole body read), ``delay``
+    drawn uniformly from ``[lo, hi]`` seconds by ``rng`` in the order requests
+    are made.  Counts requests."""
+
+    def __init__(self, inner, rng: random.Random, lo: float, hi: float):
+        self.inner = inner
+        self.rng = rng
+        self.lo, self.hi = lo, hi
+        self.requests = 0
+        self.delay_s = 0.0
+
+    async def handle_async_request(self, request):
+        d = self.rng.uniform(self.lo, self.hi) if self.hi > 0 else 0.0
+        self.requests += 1
+        self.delay_s += d
+        await asyncio.sleep(d / 2)
+        resp = await self.inner.handle_async_request(request)
+        await resp.aread()
+        await asyncio.sleep(d / 2)
+        return resp
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def delayed_transport(rng: random.Random, lo: float, hi: float) -> DelayedTransport:
+    return DelayedTransport(httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=200,
+                                                                         max_keepalive_connections=200)), rng, lo, hi)
+
+
+class ServerError(RuntimeError):
+    """The gateway answered with an error: the request and the answer, for the report."""
+
+
+def _check(resp, what: str) -> Dict[str, Any]:
+    if resp.status_code >= 400:
+        body = resp.text[:1500]
+        req = resp.request
+        sent = (req.content or b"")[:800].decode("utf-8", "replace")
+        raise ServerError(f"{what}: {req.method} {req.url.path}{'?' + req.url.query.decode() if req.url.query else ''}"
+                          f" -> HTTP {resp.status_code}: {body}\n  request body: {sent}")
+    return resp.json()
+
+
+# =========================================================================== the two ways of running an app
+@dataclass
+class Outcome:
+    """What one run of an app produced (the measured numbers are added by :func:`measure`)."""
+
+    values: Dict[str, str] = field(default_factory=dict)
+    client_s: Dict[int, float] = field(default_factory=dict)   # per client: first request to last answer
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    calls_at_max: int = 0     # request-centric: calls that ended at max_tokens (finish_reason "length")
+    calls: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+async def run_request_centric(client, app: App, parallel: bool) -> Outcome:
+    """``POST /v1/chat/completions`` per call with the rendered prompt: in program
+    order, each awaited (``parallel=False``), or each stage's calls together."""
+    oc = Outcome()
+    t0 = time.monotonic()
+
+    async def one(c: Call) -> None:
+        values = {k: (v if kind == "const" else oc.values[v]) for k, (kind, v) in c.inputs.items()}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": render(c.text, values)}],
+                "max_tokens": c.max_tokens, "temperature": 0}
+        r = _check(await client.post("/v1/chat/completions", json=body), f"chat completion for {c.out}")
+        ch = r["choices"][0]
+        oc.values[c.out] = ch["message"].get("content") or ""
+        oc.prompt_tokens += r["usage"]["prompt_tokens"]
+        oc.output_tokens += r["usage"]["completion_tokens"]
+        oc.calls_at_max += ch.get("finish_reason") == "length"
+        oc.calls += 1
+        oc.client_s[c.client] = max(oc.client_s.get(c.client, 0.0), time.monotonic() - t0)
+
+    for stage in app.stages():
+        if parallel:
+            await asyncio.gather(*(one(c) for c in stage))
+        else:
+            for c in stage:
+                await one(c)
+    return oc
+
+
+async def run_semantic(url: str, transport: httpx.AsyncBaseTransport, app: App) -> Outcome:
+    """The app through Semantic Variables with the SDK's :class:`AsyncClient`
+    (over ``transport``, the delayed network): per client, a session; its first
+    stage submitted at once while the variables the later stages write are
+    declared; then every later call at once; then the final variables fetched
+    (their producers marked ``criterion: latency`` at submit)."""
+    from interlace.sdk import AsyncClient, Output
+
+    oc = Outcome()
+    oc.extra["sessions"] = []
+    finals = set(app.finals)
+    t0 = time.monotonic()
+
+    async def session(client, cid: int) -> None:
+        calls = [c for c in app.calls if c.client == cid]
+        s = await client.session()
+        oc.extra["sessions"].append((s.id, s.token))
+        first = min(c.stage for c in calls)
+        var: Dict[str, Any] = {}
+
+        async def submit(c: Call) -> None:
+            out: Dict[str, Any] = Output(max_tokens=c.max_tokens, temperature=0,
+                                         criterion="latency" if c.out in finals else None).to_json(
+                var[c.out].id if c.out in var else None)
+            inputs = {k: (v if kind == "const" else var[v]) for k, (kind, v) in c.inputs.items()}
+            call = await s.submit(c.text + "{{output:out}}", inputs=inputs, outputs={"out": out}, chat=True)
+            var.setdefault(c.out, call.output)
+
+        async def declare(name: str) -> None:
+            var[name] = await s.variable(name=name)
+
+        later = [c for c in calls if c.stage != first]
+        await asyncio.gather(*(submit(c) for c in calls if c.stage == first), *(declare(c.out) for c in later))
+        await asyncio.gather(*(submit(c) for c in later))
+
+        async def fetch(name: str) -> None:
+            oc.values[name] = await var[name].aget(criterion="latency")
+
+        await asyncio.gather(*(fetch(c.out) for c in calls if c.out in finals))
+        oc.client_s[cid] = time.monotonic() - t0
+
+    async with AsyncClient(url, model=MODEL, timeout=900.0, transport=transport) as client:
+        await asyncio.gather(*(session(client, u) for u in range(app.clients)))
+    return oc
+
+
+async def semantic_usage(url: str, sessions: Sequence[Tuple[str, str]], delete: bool = True) -> Dict[str, Any]:
+    """The sessions' usage summed (no network delay: after the measurement), then the sessions deleted."""
+    tot: Dict[str, Any] = {}
+    calls: Dict[str, int] = {}
+    async with httpx.AsyncClient(base_url=url, timeout=60.0) as c:
+        for sid, token in sessions:
+            auth = {"Authorization": f"Bearer {token}"}
+            info = _check(await c.get(f"/v1/sessions/{sid}", headers=auth), "session info")
+            for k, v in (info.get("usage") or {}).items():
+                if isinstance(v, (int, float)):
+                    tot[k] = tot.get(k, 0) + v
+            for k, v in (info.get("calls") or {}).items():
+                calls[k] = calls.get(k, 0) + int(v)
+            if delete:
+                _check(await c.delete(f"/v1/sessions/{sid}", headers=auth), "delete session")
+    tot["calls"] = calls
+    return tot
+
+
+# =========================================================================== the gateway
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Gateway:
+    """The gateway app on loopback, uvicorn in a thread (``with Gateway(cfg) as gw``)."""
+
+    def __init__(self, config: Dict[str, Any]):
+        import uvicorn
+
+        from interlace.gateway.app import create_app
+        from interlace.gateway.config import parse_config
+
+        self.app = create_app(parse_config(config, "<bench apps>"))
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=2, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="bench-apps-gateway")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine(self):
+        return self.app.state.gateway.models[MODEL].engine
+
+    def __enter__(self) -> "Gateway":
+        self.thread.start()
+        deadline = time.time() + 600
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=120)
+
+
+def gateway_config(prefix_caching: bool, kv_cache_tokens: int, max_batched_tokens: int) -> Dict[str, Any]:
+    return {"plugins": {"entrypoints": False},
+            "models": {MODEL: {"path": "embedded", "dtype": "float32", "kv_cache_tokens": kv_cache_tokens,
+                               "max_batched_tokens": max_batched_tokens, "prefix_caching": prefix_caching}}}
+
+
+async def _sample_blocks(engine, peak: List[int], stop: asyncio.Event, every_s: float = 0.005) -> None:
+    while not stop.is_set():
+        peak[0] = max(peak[0], engine.blocks.num_used)
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+    peak[0] = max(peak[0], engine.blocks.num_used)
+
+
+async def _warm_up(url: str) -> None:
+    """One short completion before timing (a fresh engine's first steps are slow),
+    and a session created and deleted where the server has them."""
+    async with httpx.AsyncClient(base_url=url, timeout=300.0) as c:
+        _check(await c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "temperature": 0,
+                                                          "messages": [{"role": "user", "content": "Hi"}]}),
+               "warm-up")
+        r = await c.post("/v1/sessions", json={})
+        if r.status_code == 201:
+            s = r.json()
+            await c.delete(f"/v1/sessions/{s['id']}", headers={"Authorization": f"Bearer {s['token']}"})
+
+
+def _wait_idle(engine, timeout_s: float = 10.0) -> int:
+    deadline = time.time() + timeout_s
+    while engine.blocks.num_used and time.time() < deadline:
+        time.sleep(0.05)
+    return engine.blocks.num_used
+
+
+def measure(app: App, variant: str, *, seed: int, repeat: int, delay: Tuple[float, float], kv_cache_tokens: int,
+            max_batched_tokens: int) -> Dict[str, Any]:
+    """One run of ``app`` as ``variant`` on a fresh gateway: the table's numbers."""
+    cfg = gateway_config(not variant.endswith("-nocache"), kv_cache_tokens, max_batched_tokens)
+    kind = variant.removesuffix("-nocache")
+    with Gateway(cfg) as gw:
+        eng = gw.engine
+
+        async def go() -> Tuple[Outcome, float, int, int, int, Dict[str, Any]]:
+            await _warm_up(gw.url)
+            await asyncio.sleep(0.05)
+            rng = random.Random(f"bench-apps:{seed}:{app.name}:{repeat}")
+            transport = delayed_transport(rng, *delay)
+            peak = [0]
+            stop = asyncio.Event()
+            before = dict(eng.stats)
+            sampler = asyncio.ensure_future(_sample_blocks(eng, peak, stop))
+            t0 = time.monotonic()
+            try:
+                if kind == "b":
+                    oc = await run_semantic(gw.url, transport, app)
+                else:
+                    async with httpx.AsyncClient(base_url=gw.url, transport=transport, timeout=900.0) as client:
+                        oc = await run_request_centric(client, app, parallel=(kind == "a-par"))
+                wall = time.monotonic() - t0
+            finally:
+                stop.set()
+                await sampler
+            prefill = eng.stats["prefill_tokens"] - before["prefill_tokens"]
+            decode = eng.stats["decode_tokens"] - before["decode_tokens"]
+            usage: Dict[str, Any] = {}
+            if kind == "b":
+                usage = await semantic_usage(gw.url, oc.extra["sessions"])
+                oc.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                oc.output_tokens = int(usage.get("completion_tokens", 0))
+                oc.calls = sum(usage.get("calls", {}).values()) or len(app.calls)
+            return oc, wall, prefill, decode, peak[0], {"requests": transport.requests, "usage": usage,
+                                                         "delay_s": transport.delay_s}
+
+        oc, wall, prefill, decode, peak, net = asyncio.run(go())
+        leaked = _wait_idle(eng)
+    row = {"app": app.name, "variant": variant, "repeat": repeat, "e2e_s": wall, "prefill_tokens": prefill,
+           "decode_tokens": decode, "peak_blocks": peak, "output_tokens": oc.output_tokens,
+           "prompt_tokens": oc.prompt_tokens, "calls": oc.calls,
+           "calls_at_max": oc.calls_at_max if kind != "b" else None,
+           "http_requests": net["requests"], "network_s_sum": net["delay_s"],
+           "client_mean_s": statistics.fmean(oc.client_s.values()) if oc.client_s else None,
+           "finals": {k: oc.values.get(k) for k in app.finals}, "leaked_blocks": leaked}
+    if kind == "b":
+        row["usage"] = net["usage"]
+    return row
+
+
+# =========================================================================== running and reporting
+def _median(xs: Sequence[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Per variant: medians over repeats (e2e, prefill, peak blocks, tokens), and the runs."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for v in sorted({r["variant"] for r in rows}, key=VARIANT_ORDER.index):
+        rs = [r for r in rows if r["variant"] == v and "error" not in r]
+        errs = [r["error"] for r in rows if r["variant"] == v and "error" in r]
+        s: Dict[str, Any] = {"runs": len(rs), "errors": errs}
+        for k in ("e2e_s", "prefill_tokens", "peak_blocks", "output_tokens", "prompt_tokens", "http_requests",
+                  "client_mean_s", "calls"):
+            s[k] = _median([r[k] for r in rs])
+        s["e2e_all"] = [round(r["e2e_s"], 3) for r in rs]
+        at_max = [r["calls_at_max"] for r in rs]
+        s["calls_at_max"] = _median(at_max) if rs and at_max[0] is not None else None
+        s["leaked_blocks"] = max((r["leaked_blocks"] for r in rs), default=0)
+        if rs and "usage" in rs[0]:
+            s["forked_tokens"] = _median([r["usage"].get("forked_tokens") for r in rs])
+            s["filled_tokens"] = _median([r["usage"].get("filled_tokens") for r in rs])
+        out[v] = s
+    return out
+
+
+def fmt(x: Any, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if isinstance(x, float) and digits == 0:
+        return f"{x:.0f}"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+COLUMNS = ("variant", "e2e s", "x vs b", "prefilled tok", "x vs b", "peak KV blocks", "x vs b", "output tok",
+           "prompt tok", "HTTP req", "runs")
+
+
+def table(app: App, summ: Dict[str, Dict[str, Any]], same: Dict[str, str]) -> List[str]:
+    """The markdown table of one app: each variant's medians and its ratios to ``b``."""
+    b = summ.get("b", {})
+    lines = [f"**{app.name}**: {app.about}; {len(app.calls)} calls in {len(app.stages())} stages",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for v in VARIANT_ORDER:
+        if v in same:
+            lines.append(f"| {v} (= {same[v]}) |" + " |" * (len(COLUMNS) - 1))
+            continue
+        if v not in summ:
+            continue
+        s = summ[v]
+        if not s["runs"]:
+            why = s["errors"][0][:200] if s["errors"] else "?"
+            lines.append(f"| {v} | failed: {why} |" + " |" * (len(COLUMNS) - 2))
+            continue
+        e2e = s["e2e_s"]
+        lines.append("| " + " | ".join([
+            v, fmt(e2e, 2), fmt(_ratio(e2e, b.get("e2e_s")), 2),
+            fmt(s["prefill_tokens"], 0), fmt(_ratio(s["prefill_tokens"], b.get("prefill_tokens")), 2),
+            fmt(s["peak_blocks"], 0), fmt(_ratio(s["peak_blocks"], b.get("peak_blocks")), 2),
+            fmt(s["output_tokens"], 0), fmt(s["prompt_tokens"], 0), fmt(s["http_requests"], 0), str(s["runs"])]) + " |")
+    return lines
+
+
+#: The issue's targets: (app, metric, factor, baselines it is checked against).
+TARGETS = [("mapreduce", "e2e_s", 2.0, ("a-seq", "a-par")), ("chain", "e2e_s", 1.3, ("a-seq",)),
+           ("multiagent", "e2e_s", 3.0, ("a-seq", "a-par")),
+           ("shared", "prefill_tokens", 5.0, ("a-par-nocache", "a-par"))]
+
+
+def target_lines(summaries: Dict[str, Dict[str, Dict[str, Any]]]) -> List[str]:
+    out = []
+    for app, key, factor, bases in TARGETS:
+        if app not in summaries:
+            continue
+        s = summaries[app]
+        b = s.get("b", {}).get(key)
+        what = "faster (e2e)" if key == "e2e_s" else "fewer prefilled tokens"
+        for base in bases:
+            a = s.get(base, {}).get(key)
+            r = _ratio(a, b)
+            verdict = "n/a" if r is None else ("met" if r >= factor else "NOT met")
+            out.append(f"target {app}: b >= {factor:g}x {what} than {base}: {fmt(r, 2)}x -> {verdict}")
+    return out
+
+
+def check_lines(app: App, summ: Dict[str, Dict[str, Any]], rows: List[Dict[str, Any]]) -> List[str]:
+    """Fairness checks: same output tokens, same final texts, calls at max_tokens, leaks."""
+    out = []
+    toks = {v: s["output_tokens"] for v, s in summ.items() if s["runs"]}
+    if len(set(toks.values())) > 1:
+        out.append(f"{app.name}: output tokens differ between variants: {toks}")
+    ref = next((r for r in rows if r["variant"].startswith("a-") and "error" not in r), None)
+    if ref is not None:
+        for r in rows:
+            if "error" not in r and r["variant"].startswith("b") and r["repeat"] == ref["repeat"]:
+                same = sum(r["finals"].get(k) == ref["finals"].get(k) for k in app.finals)
+                out.append(f"{app.name}: {r['variant']} final texts equal to {ref['variant']}'s: "
+                           f"{same}/{len(app.finals)}")
+                break
+    for v, s in summ.items():
+        if s.get("calls_at_max") is not None and s["calls"] and s["calls_at_max"] < s["calls"]:
+            out.append(f"{app.name}: {v}: {s['calls'] - s['calls_at_max']:.0f} of {s['calls']:.0f} calls ended before "
+                       "max_tokens (the model stopped)")
+        if s.get("leaked_blocks"):
+            out.append(f"{app.name}: {v}: {s['leaked_blocks']} KV blocks still in use after the run "
+                       "(sessions deleted, 10 s later)")
+        if s.get("forked_tokens") is not None:
+            out.append(f"{app.name}: {v}: server usage filled_tokens {fmt(s.get('filled_tokens'), 0)}, "
+                       f"forked_tokens {fmt(s.get('forked_tokens'), 0)}")
+        if app.name == "shared" and s.get("client_mean_s") is not None:
+            out.append(f"{app.name}: {v}: mean per-user latency {s['client_mean_s']:.2f} s")
+    return out
+
+
+def plot(apps: List[App], summaries: Dict[str, Dict[str, Dict[str, Any]]], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("e2e_s", "end-to-end latency (s)"), ("prefill_tokens", "tokens prefilled"),
+              ("peak_blocks", "peak KV blocks in use")]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    names = [a.name for a in apps]
+    present = [v for v in VARIANT_ORDER if any(v in summaries[n] and summaries[n][v]["runs"] for n in names)]
+    width = 0.8 / max(1, len(present))
+    colors = {"a-seq": "tab:red", "a-par": "tab:orange", "a-par-nocache": "tab:brown", "b": "tab:blue",
+              "b-nocache": "tab:cyan"}
+    for ax, (key, label) in zip(axes, panels):
+        for j, v in enumerate(present):
+            xs, ys = [], []
+            for i, n in enumerate(names):
+                s = summaries[n].get(v)
+                if s and s["runs"] and s.get(key) is not None:
+                    xs.append(i + (j - (len(present) - 1) / 2) * width)
+                    ys.append(s[key])
+            ax.bar(xs, ys, width, label=v, color=colors.get(v))
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_apps(text: Optional[str]) -> List[str]:
+    names = [a.strip() for a in (text or ",".join(APPS)).split(",") if a.strip()]
+    bad = [a for a in names if a not in APPS]
+    if bad or not names:
+        raise BenchError(f"--apps: unknown application {bad[0] if bad else text!r}; choose from {', '.join(APPS)}")
+    return names
+
+
+def parse_delay(text: str) -> Tuple[float, float]:
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not all(math.isfinite(p) and p >= 0 for p in parts) or parts[0] > parts[1]:
+        raise BenchError(f"--delay-ms must be LO,HI milliseconds (0 <= LO <= HI), got {text!r}")
+    return parts[0] / 1000, parts[1] / 1000
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="interlace bench apps", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--apps", help=f"comma-separated, default all: {','.join(APPS)}")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run): " + ", ".join(
+        f"{k} {v}" for k, v in QUICK.__dict__.items()))
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every variant (medians reported; the order of "
+                                                           "the variants rotates from repeat to repeat)")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the network delays")
+    ap.add_argument("--delay-ms", default="200,300", help="simulated network delay per HTTP request, uniform LO,HI ms")
+    for k in Sizes.__dataclass_fields__:
+        ap.add_argument("--" + k.replace("_", "-"), type=int, help=f"default {getattr(FULL, k)} ({getattr(QUICK, k)} "
+                                                                   "with --quick)")
+    ap.add_argument("--kv-cache-tokens", type=int, default=16384)
+    ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: with two, one busy neighbour "
+                                                         "on a 2-core machine stalls every OpenMP barrier; 0: "
+                                                         "torch's default)")
+    ap.add_argument("--out-png", help="save the plot here")
+    ap.add_argument("--json", metavar="PATH", help="write every run and the summaries as JSON")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except BenchError as e:
+        print(f"interlace bench apps: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    import torch
+
+    names = parse_apps(args.apps)
+    delay = parse_delay(args.delay_ms)
+    if args.repeats < 1:
+        raise BenchError(f"--repeats must be positive, got {args.repeats}")
+    base = QUICK if args.quick else FULL
+    sizes = Sizes(**{k: (getattr(args, k) if getattr(args, k) is not None else getattr(base, k))
+                     for k in Sizes.__dataclass_fields__})
+    for k, v in sizes.__dict__.items():
+        if v < 1:
+            raise BenchError(f"--{k.replace('_', '-')} must be positive, got {v}")
+    if sizes.users > len(USER_QUERIES):
+        raise BenchError(f"--users: at most {len(USER_QUERIES)}")
+    if sizes.files > len(FILES):
+        raise BenchError(f"--files: at most {len(FILES)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from interlace.engine_ext.embedded import embedded_model_dir
+    from interlace.engine_ext.native.loader import load_config
+    from interlace.engine_ext.native.tokenizer import Tokenizer
+
+    d = embedded_model_dir()
+    tok = Tokenizer(d, load_config(d)[0])
+    apps = build_apps(names, sizes, tok)
+    mach = machine_description(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    header = (f"native engine, embedded SmolLM2-135M-Instruct (float32), KV cache {args.kv_cache_tokens} tokens, "
+              f"{args.max_batched_tokens} tokens/step; network {delay[0] * 1000:g}-{delay[1] * 1000:g} ms per HTTP "
+              f"request (seed {args.seed}); sizes {sizes.__dict__}; {args.repeats} repeat(s), medians")
+    rows: List[Dict[str, Any]] = []
+    summaries: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    sames: Dict[str, Dict[str, str]] = {}
+    failed = False
+    for app in apps:
+        variants, same = variants_for(app)
+        sames[app.name] = same
+        app_rows = []
+        for rep in range(args.repeats):
+            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+            for v in order:
+                t = time.perf_counter()
+                try:
+                    row = measure(app, v, seed=args.seed, repeat=rep, delay=delay,
+                                  kv_cache_tokens=args.kv_cache_tokens, max_batched_tokens=args.max_batched_tokens)
+                    print(f"  {app.name} {v} #{rep}: e2e {row['e2e_s']:.2f} s, prefilled {row['prefill_tokens']}, "
+                          f"peak {row['peak_blocks']} blocks, {row['output_tokens']} output tokens "
+                          f"({time.perf_counter() - t:.1f} s with start-up)", file=sys.stderr)
+                except Exception as e:  # noqa: BLE001 -- a failed variant is reported, the others still run
+                    failed = True
+                    row = {"app": app.name, "variant": v, "repeat": rep, "error": f"{type(e).__name__}: {e}"}
+                    print(f"  {app.name} {v} #{rep}: FAILED: {row['error']}", file=sys.stderr)
+                app_rows.append(row)
+        rows += app_rows
+        summaries[app.name] = summarize(app_rows)
+
+    print(f"\n{header}\nmachine: {describe_machine(mach)}\n")
+    for app in apps:
+        for ln in table(app, summaries[app.name], sames[app.name]):
+            print(ln)
+        for ln in check_lines(app, summaries[app.name], [r for r in rows if r["app"] == app.name]):
+            print(f"check: {ln}")
+        print()
+    for ln in target_lines(summaries):
+        print(ln)
+    if args.out_png:
+        plot(apps, summaries, f"{header}; {describe_machine(mach)}", args.out_png)
+        print(f"plot saved to {args.out_png}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"header": header, "machine": mach, "sizes": sizes.__dict__,
+                                               "delay_s": delay, "seed": args.seed, "same_as": sames,
+                                               "summaries": summaries, "runs": rows}, indent=1, default=str) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
