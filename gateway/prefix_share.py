@@ -17,12 +17,15 @@ long system prompt of a GPTs-style application, shared by calls that come
 later.  A prefix context may itself fork a shorter one (a system prompt,
 then a document several questions are asked about).
 
-Prefix contexts belong to the sessions that used them and are freed when
-the last of those is gone and no fork of them is alive (the engine refuses
-to free a context with live forks); at most ``max_entries`` are kept, the
-least recently used unforked ones going first.  The engine's own block
-hashing still catches repeats this misses (a prefix evicted, a boundary
-inside a variable).
+A prefix context lives while a fork of it does (the engine refuses to free
+a context with live forks) and is freed with its last fork: its full blocks
+stay in the engine's prefix cache, so a call that comes later still skips
+them -- the engine continues a fork with cached blocks too
+(``BlockManager.extend_prefix``), which catches whatever else repeats (a
+boundary inside a variable, text after the fork point).  Forks add what the
+block cache cannot: calls dispatched together share one computation of the
+prefix (the cache only holds blocks once they are computed), partial blocks
+included.
 """
 
 from __future__ import annotations
@@ -31,11 +34,10 @@ import asyncio
 import hashlib
 import itertools
 import logging
-import time
 from array import array
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +71,7 @@ class PrefixEntry:
     tokens: int
     parent: Optional["PrefixEntry"]
     ready: "asyncio.Future[None]"
-    users: Set[str] = field(default_factory=set)  # sessions that forked it
-    children: int = 0                             # live forks: calls' contexts and longer prefixes
-    last_used: float = field(default_factory=time.monotonic)
+    children: int = 0  # live forks: calls' contexts and longer prefixes
 
 
 @dataclass
@@ -87,9 +87,9 @@ class Shared:
 class PrefixStore:
     """The prefix contexts of one model's engine."""
 
-    def __init__(self, engine: Any, model: str, *, min_tokens: int = 16, max_entries: int = 256):
+    def __init__(self, engine: Any, model: str, *, min_tokens: int = 16):
         self.engine, self.model = engine, model
-        self.min_tokens, self.max_entries = min_tokens, max_entries
+        self.min_tokens = min_tokens
         self.entries: Dict[bytes, PrefixEntry] = {}
         self.demand: Counter = Counter()
         self._ids = itertools.count()
@@ -110,7 +110,7 @@ class PrefixStore:
         return n >= self.min_tokens and (key in self.entries or self.demand[key] >= 2 or static)
 
     # ----------------------------------------------------------------- acquire
-    async def acquire(self, session: str, pieces: Sequence[Piece], keys: Sequence[Tuple[bytes, int, bool]],
+    async def acquire(self, pieces: Sequence[Piece], keys: Sequence[Tuple[bytes, int, bool]],
                       hint: Any = None) -> Optional[Shared]:
         """The prefix context the call should fork (creating it, and shorter
         ones it builds on, if needed), or None: fill everything.  Call it
@@ -126,8 +126,6 @@ class PrefixStore:
         if entry is None:
             return None
         entry.children += 1
-        entry.users.add(session)
-        entry.last_used = time.monotonic()
         return Shared(entry, k + 1, filled[0])
 
     async def _ensure(self, k: int, pieces: Sequence[Piece], keys: Sequence[Tuple[bytes, int, bool]],
@@ -160,7 +158,6 @@ class PrefixStore:
                 raise
             filled[0] += len(tokens)
             entry.ready.set_result(None)
-            self._evict()
             return entry
         try:
             await asyncio.shield(entry.ready)
@@ -177,8 +174,7 @@ class PrefixStore:
 
     def _release(self, entry: PrefixEntry) -> None:
         entry.children -= 1
-        entry.last_used = time.monotonic()
-        if not entry.users and entry.children == 0:
+        if entry.children == 0:
             self._free(entry)
 
     def _free(self, entry: PrefixEntry) -> None:
@@ -187,25 +183,6 @@ class PrefixStore:
         self.engine.free_context_nowait(entry.context_id)
         if entry.parent is not None:
             self._release(entry.parent)
-
-    def drop_session(self, session: str) -> None:
-        """A session is gone: free the prefix contexts nobody else uses."""
-        for entry in list(self.entries.values()):
-            if session in entry.users:
-                entry.users.discard(session)
-        # longest first: a prefix context's forks go before it
-        for entry in sorted(self.entries.values(), key=lambda e: -e.tokens):
-            if not entry.users and entry.children == 0 and entry.ready.done():
-                self._free(entry)
-
-    def _evict(self) -> None:
-        over = len(self.entries) - self.max_entries
-        if over <= 0:
-            return
-        idle = sorted((e for e in self.entries.values() if e.children == 0 and e.ready.done()),
-                      key=lambda e: e.last_used)
-        for e in idle[:over]:
-            self._free(e)
 
     def clear(self) -> None:
         """Shutdown: free every prefix context (forks first)."""

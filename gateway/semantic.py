@@ -598,7 +598,7 @@ class SessionGraph:
         made = False
         try:
             call.wanted = None  # acquire drops the demand, whatever happens
-            shared = await store.acquire(self.session_id, pieces, keys, call.hint())
+            shared = await store.acquire(pieces, keys, call.hint())
             start = shared.next_piece if shared is not None else 0
             rest = [t for p in pieces[start:] for t in p.tokens]
             self.usage.prompt_tokens += sum(len(p.tokens) for p in pieces)
@@ -727,8 +727,8 @@ class SessionGraph:
             raise APIError(404, "the session is closed", code="session_not_found")
 
     async def close(self) -> None:
-        """Abort running calls (their contexts are freed as they unwind), fail
-        everything pending, free the prefix contexts only this session used."""
+        """Abort running calls (their contexts, and prefix contexts nobody
+        else forks, are freed as they unwind) and fail everything pending."""
         self.closed = True
         tasks = [c.task for c in self.calls.values() if c.task is not None and not c.task.done()]
         for t in tasks:
@@ -745,8 +745,6 @@ class SessionGraph:
             if not v.done:
                 v.error = {"message": "the session was closed", "call": None, "code": "session_closed"}
                 v._notify()
-        for store in self.services.prefixes.values():
-            store.drop_session(self.session_id)
 
     def describe(self) -> Dict[str, Any]:
         states = {"pending": 0, "running": 0, "done": 0, "failed": 0}

@@ -40,3 +40,52 @@ def test_digest_is_keyed_and_cryptographic():
     assert chain_hash(k1, None, tokens[4:]) != h1[1]
     # every engine draws its own key
     assert BlockManager(8, BS).hash_key != BlockManager(8, BS).hash_key
+
+
+def test_a_started_table_continues_with_cached_blocks():
+    """A fork (or a context filled further) whose new tokens repeat cached
+    blocks takes them: its partial block is replaced by the cached full one."""
+    bm = BlockManager(32, BS, hash_key=b"k" * 32)
+    seq = list(range(1, 18))  # 4 full blocks + 1 token
+    _cache(bm, seq)
+    parent = BlockTable()
+    bm.prepare_append(parent, 0, 6)  # computed 6 tokens: 1 full block (sealed) + 2 of the next
+    bm.seal_full_blocks(parent, seq, 6)
+    child = bm.fork(parent)
+    assert bm.extend_prefix(child, seq, 6) == 16  # blocks 1-3 from the cache; the last token stays to compute
+    assert len(child.blocks) == 4 and len(child.hashes) == 4 and child.blocks[0] == parent.blocks[0]
+    assert bm.extend_prefix(parent, [1, 2, 3, 4, 5, 6, 99, 98, 97], 6) == 6  # other tokens: nothing
+    bm.release(child)
+    bm.release(parent)
+    bm.check_invariants()
+
+
+def test_a_forked_fill_uses_the_prefix_cache_for_its_own_tokens(tiny_dirs):
+    import asyncio
+
+    import torch
+
+    from interlace.engine_ext.native.engine import NativeEngine
+
+    seq = [(7 * i) % 250 + 1 for i in range(70)]
+    with NativeEngine.load(tiny_dirs["llama"][0], block_size=4, kv_cache_tokens=512) as eng:
+        async def go():
+            await eng.fill("a", seq)        # computes and caches seq's blocks
+            await eng.free_context("a")
+            await eng.fill("p", seq[:22])   # a prefix context ending inside a block
+            before = eng.stats["prefill_tokens"]
+            await eng.fill("c", seq[22:], parent_context_id="p")
+            computed = eng.stats["prefill_tokens"] - before
+            logits = await eng.last_logits("c")
+            await eng.check_invariants()
+            await eng.free_context("c")
+            await eng.free_context("p")
+            return computed, logits
+        computed, logits = asyncio.run(go())
+    assert computed <= 4, computed  # 48 tokens to fill, all but the last block's worth came from the cache
+    with NativeEngine.load(tiny_dirs["llama"][0], block_size=4, kv_cache_tokens=512, prefix_caching=False) as ref:
+        async def plain():
+            await ref.fill("x", seq)
+            return await ref.last_logits("x")
+        expected = asyncio.run(plain())
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

@@ -185,6 +185,40 @@ class BlockManager:
         self.stats["prefix_hit_blocks"] += len(table.blocks)
         return len(table.blocks) * bs
 
+    def extend_prefix(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> int:
+        """Continue a started table with cached blocks: the positions from
+        ``num_computed`` on (a fork's own tokens, a fill after computed KV)
+        may repeat blocks some context computed before.  The block holding
+        position ``num_computed`` (partial: computed up to it) is replaced by
+        the cached full block when that block's hash matches -- its tokens,
+        and the whole prefix before them, are equal.  Returns the tokens now
+        covered (at least one is always left to compute)."""
+        if not self.prefix_caching or any(b < 0 for b in table.blocks):
+            return num_computed
+        bs = self.block_size
+        i = start = num_computed // bs
+        if len(table.hashes) < i:  # the leading full blocks are not all sealed: no chain to continue
+            return num_computed
+        parent = table.hashes[i - 1] if i else None
+        while i < (len(token_ids) - 1) // bs:
+            h = chain_hash(self.hash_key, parent, token_ids[i * bs:(i + 1) * bs])
+            bid = self.by_hash.get(h)
+            if bid is None:
+                break
+            self.incref(bid)
+            if i < len(table.blocks):
+                self.decref(table.blocks[i])  # its own partial (or shared copy-on-write) block
+                table.blocks[i] = bid
+            else:
+                table.blocks.append(bid)
+            del table.hashes[i:]
+            table.hashes.append(h)
+            parent, i = h, i + 1
+        if i == start:
+            return num_computed
+        self.stats["prefix_hit_blocks"] += i - start
+        return i * bs
+
     def blocks_needed(self, table: BlockTable, start: int, end: int) -> int:
         """Blocks an append of positions [start, end) would allocate, counting
         a copy-on-write of a shared partial block."""

@@ -526,6 +526,9 @@ class NativeEngine:
         op.fut, op.ctx, op.created, op.rollback = fut, ctx, created, len(ctx.token_ids)
         ctx.token_ids += tokens
         op.end = len(ctx.token_ids)
+        if ctx.num_computed and not ctx.on_host and not ctx.swap_ops:
+            # a fork's (or a longer context's) new tokens may repeat blocks computed before
+            ctx.num_computed = self.blocks.extend_prefix(ctx.table, ctx.token_ids, ctx.num_computed)
         ctx.last_fill = op
         if ctx.num_uncomputed:
             ctx.last_logits = None
