@@ -34,8 +34,12 @@ def live():
         store, services = gw.gateway.sessions, gw.gateway.services
         left = S(httpx.Client(base_url=gw.url, timeout=60))
         left.llm(SYSTEM + "{{input:a}} {{output:out}}", {"a": left.var(name="never")})
-        left.llm(SYSTEM + "Hello {{output:out}}")
-        assert store.sessions and services.prefixes["smollm2"].entries is not None
+        running = left.llm(SYSTEM + "Write a long story. {{output:out}}", max_tokens=400)
+        deadline = time.time() + 60  # shut down while it generates, forked from a prefix context
+        while left.http.get(left.url(f"/calls/{running['id']}"), headers=left.h).json()["state"] != "running":
+            assert time.time() < deadline
+            time.sleep(0.02)
+        assert store.sessions
     assert not store.sessions and left.id not in store.sessions
     assert all(not p.entries for p in services.prefixes.values())
     assert gw.gateway.sessions is None and not gw.gateway.models  # the engines are closed after them
