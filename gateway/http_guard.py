@@ -31,6 +31,12 @@ class ClientGone(Exception):
 
 
 # ------------------------------------------------------------------ identity
+def bearer_token(request: Request) -> str:
+    """The token of an ``Authorization: Bearer ...`` header, or ''."""
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+
+
 def authenticate(config: GatewayConfig, request: Request) -> Optional[ApiKey]:
     """The caller's key, or None when the gateway has no keys (everyone is anonymous).
 
@@ -38,8 +44,7 @@ def authenticate(config: GatewayConfig, request: Request) -> Optional[ApiKey]:
     how much of a guessed key was right."""
     if not config.api_keys:
         return None
-    auth = request.headers.get("authorization", "")
-    token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    token = bearer_token(request)
     found = None
     for key in config.api_keys:
         if hmac.compare_digest(token.encode(), key.key.encode()) and token:

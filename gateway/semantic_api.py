@@ -38,6 +38,10 @@ def _error_body(var: Variable) -> dict:
                       "call": err.get("call"), "producer_code": err.get("code")}}
 
 
+def _timed_out(var: Variable, timeout: Any) -> APIError:
+    return APIError(408, f"variable {var.id} has no value after {timeout} s; ask again", code="timeout")
+
+
 def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], None]) -> List[Route]:
     """The routes, bound to the gateway ``gw`` (its ``sessions`` store is made at start-up)."""
 
@@ -131,8 +135,7 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
                     raise asyncio.TimeoutError
                 await asyncio.wait_for(var.wait(), timeout)
             except asyncio.TimeoutError:
-                raise APIError(408, f"variable {var.id} has no value after {timeout} s; ask again",
-                               code="timeout") from None
+                raise _timed_out(var, timeout) from None
 
         await until_disconnected(request, wait())
         if var.error is not None:
@@ -152,8 +155,7 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
-                    yield sse(APIError(408, f"variable {var.id} has no value after {timeout} s; ask again",
-                                       code="timeout").body())
+                    yield sse(_timed_out(var, timeout).body())
                     yield b"data: [DONE]\n\n"
                     return
                 yield sse({"delta": delta})

@@ -32,6 +32,7 @@ from starlette.requests import Request
 from .openai_api import APIError
 from .semantic import Limits, Services, SessionGraph
 from .config import SessionsConfig
+from .http_guard import bearer_token
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,7 @@ class SessionStore:
 
     def authorize(self, request: Request, sid: str) -> Session:
         """The session ``sid`` if the request carries its token."""
-        auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        token = bearer_token(request)
         if not token:
             raise APIError(401, "missing session token (send 'Authorization: Bearer <token>' with the token "
                                 "POST /v1/sessions returned)", code="invalid_session_token")

@@ -168,22 +168,7 @@ class BlockManager:
         last position's logits from a forward pass.
         """
         assert not table.blocks
-        if not self.prefix_caching:
-            return 0
-        bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
-        parent: Optional[bytes] = None
-        for i in range(max_blocks):
-            h = chain_hash(self.hash_key, parent, token_ids[i * bs:(i + 1) * bs])
-            bid = self.by_hash.get(h)
-            if bid is None:
-                break
-            self.incref(bid)
-            table.blocks.append(bid)
-            table.hashes.append(h)
-            parent = h
-        self.stats["prefix_hit_blocks"] += len(table.blocks)
-        return len(table.blocks) * bs
+        return self.extend_prefix(table, token_ids, 0)
 
     def extend_prefix(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> int:
         """Continue a started table with cached blocks: the positions from
