@@ -40,6 +40,7 @@ from ..engine_ext.protocol import RequestHint, SamplingParams
 from .objectives import CallNode, deduce
 from .openai_api import APIError
 from .prefix_share import Piece, PrefixStore, Shared, boundary_keys
+from .semantic_prompt import prompt_pieces
 from .transforms import Transform, TransformFailed, TransformSpecError
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ PLACEHOLDER = re.compile(r"\{\{\s*(input|output)\s*:\s*([A-Za-z_][A-Za-z0-9_]{0,
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
 OUTPUT_KEYS = {"variable", "name", "sampling", "transform", "criterion"}
-LLM_KEYS = {"model", "template", "inputs", "outputs", "chat"}
+LLM_KEYS = {"model", "template", "messages", "inputs", "outputs", "chat"}
+ROLES = ("system", "developer", "user", "assistant")
 TOOL_KEYS = {"tool", "arguments", "inputs", "outputs"}
 
 
@@ -124,6 +126,9 @@ class Call:
     model: Optional[str] = None
     items: List[Tuple[str, str]] = field(default_factory=list)  # ("text", s) | ("input", n) | ("output", n)
     chat: bool = False
+    # a chat prompt: (role, items) per message, rendered like /v1/chat/completions; ``items``
+    # then starts at the first output (the assistant's reply)
+    messages: Optional[List[Tuple[str, List[Tuple[str, str]]]]] = None
     tool: Optional[str] = None
     arguments: Any = None
     state: str = "pending"  # pending -> running -> done | failed
@@ -178,25 +183,12 @@ class Services:
         self.default_max_tokens = default_max_tokens
         self.may_use_tool = may_use_tool
         self.prefixes: Dict[str, PrefixStore] = {}
-        self._chat_frame: Dict[str, Tuple[List[int], List[int]]] = {}
 
     def prefix_store(self, model: str) -> PrefixStore:
         if model not in self.prefixes:
             m = self.models[model]
             self.prefixes[model] = PrefixStore(m.engine, m.name, min_tokens=getattr(m.engine, "block_size", 16))
         return self.prefixes[model]
-
-    def chat_frame(self, model: str) -> Tuple[List[int], List[int]]:
-        """The chat template's tokens before and after a user turn's content
-        (with the assistant's generation prompt): a chat call's prompt is
-        head + its pieces + tail."""
-        if model not in self._chat_frame:
-            tok = self.models[model].tokenizer
-            sentinel = "\x00INTERLACE-SV\x00"
-            text = tok.apply_chat_template([{"role": "user", "content": sentinel}], add_generation_prompt=True)
-            head, _, tail = text.partition(sentinel)
-            self._chat_frame[model] = (tok.encode_pieces([(head, True)]), tok.encode_pieces([(tail, True)]))
-        return self._chat_frame[model]
 
     def close(self) -> None:
         for store in self.prefixes.values():
@@ -286,10 +278,10 @@ class SessionGraph:
             raise _bad("the body must be a JSON object")
         if "tool" in body:
             call = self._parse_tool(body)
-        elif "template" in body:
+        elif "template" in body or "messages" in body:
             call = self._parse_llm(body)
         else:
-            raise _bad("a semantic call needs a 'template' (an LLM call) or a 'tool' (a tool node)")
+            raise _bad("a semantic call needs a 'template' or 'messages' (an LLM call) or a 'tool' (a tool node)")
         new_vars = [o.var for o in call.outputs.values() if o.var.id not in self.variables]
         self._check_count(len(new_vars), 1)
         self._check_cycle(call)
@@ -426,33 +418,76 @@ class SessionGraph:
         if not isinstance(model, str) or model not in self.services.models:
             raise APIError(404, f"the model {model!r} does not exist (available: "
                                 f"{', '.join(self.services.models)})", param="model", code="model_not_found")
-        template = body.get("template")
-        if not isinstance(template, str) or not template:
-            raise _bad("template must be a non-empty string", "template")
         chat = body.get("chat", False)
         if not isinstance(chat, bool):
             raise _bad("chat must be a boolean", "chat")
+        messages: Optional[List[Tuple[str, List[Tuple[str, str]]]]] = None
+        if "messages" in body:
+            if "template" in body or "chat" in body:
+                raise _bad("give either messages or template (with chat), not both", "messages")
+            messages, items, nbytes = self._parse_messages(body["messages"])
+        else:
+            template = body.get("template")
+            if not isinstance(template, str) or not template:
+                raise _bad("template must be a non-empty string", "template")
+            items, nbytes = self._parse_template(template, "template"), len(template.encode())
+            if chat:  # the text before the first output is a user turn; the outputs are the reply
+                first = next((i for i, (k, _) in enumerate(items) if k == "output"), len(items))
+                messages, items = [("user", items[:first])], items[first:]
+        names = [n for _, its in (messages or []) for k, n in its if k == "input"] + \
+            [n for k, n in items if k == "input"]
+        in_names = list(dict.fromkeys(names))
+        out_names = [n for k, n in items if k == "output"]
+        if not out_names:
+            raise _bad("the template has no {{output:name}} placeholder: nothing to generate", "template")
+        return Call(_new_id("call"), "llm", self._inputs(body, in_names), self._outputs(body, out_names, True),
+                    model=model, items=items, chat=chat, messages=messages, nbytes=nbytes)
+
+    @staticmethod
+    def _parse_template(template: str, param: str, seen: Optional[Dict[str, str]] = None) -> List[Tuple[str, str]]:
         items: List[Tuple[str, str]] = []
         last = 0
-        seen: Dict[str, str] = {}
+        seen = {} if seen is None else seen
         for m in PLACEHOLDER.finditer(template):
             if m.start() > last:
                 items.append(("text", template[last:m.start()]))
             kind, name = m.group(1), m.group(2)
             if name in seen and (seen[name] != kind or kind == "output"):
-                raise _bad(f"placeholder {name!r} appears twice as an output or as both input and output", "template")
+                raise _bad(f"placeholder {name!r} appears twice as an output or as both input and output", param)
             seen[name] = kind
             items.append((kind, name))
             last = m.end()
         if last < len(template):
             items.append(("text", template[last:]))
-        in_names = list(dict.fromkeys(n for k, n in items if k == "input"))
-        out_names = [n for k, n in items if k == "output"]
-        if not out_names:
-            raise _bad("the template has no {{output:name}} placeholder: nothing to generate", "template")
-        call = Call(_new_id("call"), "llm", self._inputs(body, in_names), self._outputs(body, out_names, True),
-                    model=model, items=items, chat=chat, nbytes=len(template.encode()))
-        return call
+        return items
+
+    def _parse_messages(self, raw: Any) -> Tuple[List[Tuple[str, List[Tuple[str, str]]]], List[Tuple[str, str]], int]:
+        """``[{"role", "content"}, ..., {"role": "assistant", "content": "{{output:NAME}}"}]``:
+        the prompt as chat messages (input placeholders in any content), and the reply to generate."""
+        if not isinstance(raw, list) or len(raw) < 2:
+            raise _bad("messages must be a list of {role, content} objects, the last one "
+                       "{\"role\": \"assistant\", \"content\": \"{{output:NAME}}\"}", "messages")
+        out: List[Tuple[str, List[Tuple[str, str]]]] = []
+        seen: Dict[str, str] = {}
+        nbytes = 0
+        for i, m in enumerate(raw):
+            where = f"messages.{i}"
+            if not isinstance(m, dict) or set(m) != {"role", "content"}:
+                raise _bad(f"{where} must be an object with exactly 'role' and 'content'", where)
+            if m["role"] not in ROLES:
+                raise _bad(f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
+            if not isinstance(m["content"], str):
+                raise _bad(f"{where}.content must be a string (a template)", f"{where}.content")
+            nbytes += len(m["content"].encode())
+            out.append((m["role"], self._parse_template(m["content"], f"{where}.content", seen)))
+        role, reply = out.pop()
+        if role != "assistant" or len(reply) != 1 or reply[0][0] != "output":
+            raise _bad("the last message must be {\"role\": \"assistant\", \"content\": \"{{output:NAME}}\"}: "
+                       "the reply to generate", f"messages.{len(raw) - 1}")
+        for i, (_, items) in enumerate(out):
+            if any(k == "output" for k, _ in items):
+                raise _bad("an output placeholder may only be the last (assistant) message", f"messages.{i}.content")
+        return out, reply, nbytes
 
     def _parse_tool(self, body: Dict[str, Any]) -> Call:
         unknown = sorted(set(body) - TOOL_KEYS)
@@ -534,29 +569,21 @@ class SessionGraph:
     def _plan(self, call: Call) -> Any:
         if call.kind == "tool":
             return None
-        tok = self.services.models[call.model].tokenizer
-        pieces: List[Piece] = []
-        if call.chat:
-            head, _ = self.services.chat_frame(call.model)
-            pieces.append(Piece(list(head), True))
+        model = self.services.models[call.model]
         first = next(i for i, (k, _) in enumerate(call.items) if k == "output")
-        for kind, val in call.items[:first]:
-            pieces.append(self._piece(tok, kind, val, call))
-        if call.chat:
-            _, tail = self.services.chat_frame(call.model)
-            pieces.append(Piece(list(tail), True))
-        pieces = [p for p in pieces if p.tokens]
+        segments = [self._segment(call, kind, val) for kind, val in call.items[:first]]
+        if call.messages is None:
+            pieces = prompt_pieces(model.tokenizer, model.tool_format, segments)
+        else:
+            pieces = prompt_pieces(model.tokenizer, model.tool_format, messages=[
+                (role, [self._segment(call, k, v) for k, v in items]) for role, items in call.messages])
         keys = boundary_keys(call.model, pieces)
         self.services.prefix_store(call.model).want(keys)
         call.wanted = keys
         return pieces, keys
 
-    def _piece(self, tok: Any, kind: str, val: str, call: Call) -> Piece:
-        if kind == "text":
-            return Piece(tok.encode(val, parse_special=False), True)
-        bound = call.inputs[val]
-        text = bound.value if isinstance(bound, Variable) else bound
-        return Piece(tok.encode(text, parse_special=False), not isinstance(bound, Variable))
+    def _segment(self, call: Call, kind: str, val: str) -> Tuple[str, bool]:
+        return (val, False) if kind == "text" else (self._value(call, val), True)
 
     async def _run(self, call: Call, plan: Any) -> None:
         try:
@@ -623,7 +650,8 @@ class SessionGraph:
                 j = i
                 while j < len(call.items) and call.items[j][0] != "output":
                     j += 1
-                tail = [t for k, v in call.items[i:j] for t in self._piece(tok, k, v, call).tokens]
+                tail = tok.encode("".join(self._segment(call, k, v)[0] for k, v in call.items[i:j]),
+                                  parse_special=False)
                 if tail and j < len(call.items):  # text after the last output is not needed
                     self.usage.prompt_tokens += len(tail)
                     self.usage.filled_tokens += len(tail)

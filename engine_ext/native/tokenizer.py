@@ -148,11 +148,7 @@ class Tokenizer:
         control token: the way to encode anything a client wrote."""
         if parse_special:
             return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if self._plain is None:
-            plain = HFTokenizer.from_str(self.tok.to_str())
-            plain.encode_special_tokens = True
-            self._plain = plain
-        return self._plain.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._plain_tokenizer().encode(text, add_special_tokens=add_special_tokens).ids
 
     def find_special(self, text: str) -> Optional[str]:
         """The first special token written in ``text`` (its text), or None."""
@@ -164,27 +160,54 @@ class Tokenizer:
         trusted text only; everything between them (trusted text and
         untrusted text alike) is encoded as one run of plain text, so a
         benign prompt gets exactly the ids that encoding it whole would give."""
+        return self.encode_pieces_with_ends(pieces)[0]
+
+    def encode_pieces_with_ends(self, pieces: Sequence[Tuple[str, bool]]) -> Tuple[List[int], List[int]]:
+        """:meth:`encode_pieces`, and where each token ends: a character
+        offset into the pieces' concatenated text.  A token spanning a
+        character split over several tokens (UTF-8 bytes) ends at that
+        character's end.  Used to cut one prompt's tokens at positions of
+        its text (Semantic Variables' boundaries) without tokenizing the
+        parts on their own, which could give other ids."""
         ids: List[int] = []
+        ends: List[int] = []
         run: List[str] = []
+        pos = 0        # characters consumed so far
+        run_start = 0  # where the pending plain-text run starts
 
         def flush() -> None:
             if run:
-                ids.extend(self.encode("".join(run), parse_special=False))
+                plain = self._plain_tokenizer()
+                enc = plain.encode("".join(run), add_special_tokens=False)
+                ids.extend(enc.ids)
+                ends.extend(run_start + e for _, e in enc.offsets)
                 run.clear()
 
         for text, trusted in pieces:
             if not trusted or self._special_re is None:
                 run.append(text)
+                pos += len(text)
                 continue
             last = 0
             for m in self._special_re.finditer(text):
                 run.append(text[last:m.start()])
                 flush()
                 ids.append(self.special_tokens[m.group()])
+                ends.append(pos + m.end())
                 last = m.end()
+                run_start = pos + m.end()
             run.append(text[last:])
+            pos += len(text)
         flush()
-        return ids
+        return ids, ends
+
+    def _plain_tokenizer(self) -> HFTokenizer:
+        """A twin of the tokenizer that reads special-token text as plain text."""
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def encode_rendered(self, render: Callable[[Callable[[str], str]], str]) -> List[int]:
         """Token ids of a prompt with untrusted strings encoded as plain text.
@@ -196,10 +219,14 @@ class Tokenizer:
         User text containing ``<|im_end|><|im_start|>system`` thus stays text
         instead of becoming the control tokens that open a system turn.
         """
+        return self.encode_pieces(self.untrusted_pieces(render))
+
+    def untrusted_pieces(self, render: Callable[[Callable[[str], str]], str]) -> List[Tuple[str, bool]]:
+        """The ``(text, trusted)`` pieces :meth:`encode_rendered` encodes."""
         marks = UntrustedText()
         marked = render(marks)
         real = render(lambda text: text)
-        return self.encode_pieces(split_untrusted(marked, real, marks))
+        return split_untrusted(marked, real, marks)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
