@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from contextvars import ContextVar, Token
-from typing import Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, AsyncIterator, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import httpx
 
@@ -198,12 +198,18 @@ class _SessionBase:
     def _variable(self, body: Mapping[str, Any], value: Optional[str]) -> "SemanticVariable":
         return SemanticVariable(self, body["id"], body.get("name"), value)
 
-    def _call_body(self, template: str, inputs: Optional[Mapping[str, InputValue]],
-                   outputs: Mapping[str, OutputValue], model: Optional[str], chat: bool) -> Dict[str, Any]:
+    def _call_body(self, template: Optional[str], inputs: Optional[Mapping[str, InputValue]],
+                   outputs: Mapping[str, OutputValue], model: Optional[str], chat: bool,
+                   messages: Optional[Sequence[Mapping[str, str]]] = None) -> Dict[str, Any]:
         ins = {name: _input_json(name, value) for name, value in (inputs or {}).items()}
         outs = {name: _output_json(name, spec) for name, spec in outputs.items()}
-        body: Dict[str, Any] = {"template": to_server_template(template, ins, outs), "inputs": ins,
-                                "outputs": outs, "chat": bool(chat)}
+        body: Dict[str, Any] = {"inputs": ins, "outputs": outs}
+        if (template is None) == (messages is None):
+            raise TypeError("give either a template or messages")
+        if messages is None:
+            body.update(template=to_server_template(template, ins, outs), chat=bool(chat))
+        else:
+            body["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
         model = model or self.client.model
         if model is not None:
             body["model"] = model
@@ -236,16 +242,20 @@ class Session(_SessionBase):
         """A new variable: set to ``value``, or declared (a call may produce it, or :meth:`SemanticVariable.set`)."""
         return self._variable(self.client._send(self._variable_request(value, name)), value)
 
-    def submit(self, template: str, inputs: Optional[Mapping[str, InputValue]] = None,
+    def submit(self, template: Optional[str] = None, inputs: Optional[Mapping[str, InputValue]] = None,
                outputs: Optional[Mapping[str, OutputValue]] = None, model: Optional[str] = None,
-               chat: bool = False) -> "Call":
+               chat: bool = False, messages: Optional[Sequence[Mapping[str, str]]] = None) -> "Call":
         """Submit an LLM call and return at once; its outputs fill on the server.
 
         ``template`` may write placeholders as ``{{name}}`` or in the server's
         ``{{input:name}}`` / ``{{output:name}}``; ``inputs`` binds each input
         to a variable or a constant string; ``outputs`` gives each output's
-        settings (an :class:`Output`, or a declared variable to fill)."""
-        body = self._call_body(template, inputs, outputs or {}, model, chat)
+        settings (an :class:`Output`, or a declared variable to fill).
+        Instead of a template, ``messages`` is a chat prompt rendered as the
+        chat endpoint renders it, ``[{"role", "content"}, ...]`` ending with
+        ``{"role": "assistant", "content": "{{output:NAME}}"}``, placeholders
+        in the server's syntax (``{{input:name}}``)."""
+        body = self._call_body(template, inputs, outputs or {}, model, chat, messages)
         return self._call(self.client._send(wire.submit_call(self.id, self.token, body)))
 
     def tool(self, name: str, arguments: Mapping[str, Any], inputs: Optional[Mapping[str, InputValue]] = None,
@@ -292,10 +302,10 @@ class AsyncSession(_SessionBase):
     async def variable(self, value: Optional[str] = None, name: Optional[str] = None) -> "SemanticVariable":
         return self._variable(await self.client._send(self._variable_request(value, name)), value)
 
-    async def submit(self, template: str, inputs: Optional[Mapping[str, InputValue]] = None,
+    async def submit(self, template: Optional[str] = None, inputs: Optional[Mapping[str, InputValue]] = None,
                      outputs: Optional[Mapping[str, OutputValue]] = None, model: Optional[str] = None,
-                     chat: bool = False) -> "Call":
-        body = self._call_body(template, inputs, outputs or {}, model, chat)
+                     chat: bool = False, messages: Optional[Sequence[Mapping[str, str]]] = None) -> "Call":
+        body = self._call_body(template, inputs, outputs or {}, model, chat, messages)
         return self._call(await self.client._send(wire.submit_call(self.id, self.token, body)))
 
     async def tool(self, name: str, arguments: Mapping[str, Any], inputs: Optional[Mapping[str, InputValue]] = None,
