@@ -31,10 +31,18 @@ OUTPUT = {"type": "object", "additionalProperties": False, "properties": {
     "criterion": {"enum": ["latency", "throughput"]}}}
 BINDING = {"oneOf": [{"type": "string", "description": "a variable id"},
                      {"type": "object", "required": ["value"], "properties": {"value": {"type": "string"}},
-                      "additionalProperties": False}]}
-LLM_CALL = {"type": "object", "required": ["model", "template"], "additionalProperties": False, "properties": {
+                      "additionalProperties": False},
+                     {"type": "object", "required": ["call", "output"], "additionalProperties": False,
+                      "description": "in a batch: the output of an earlier call of the batch",
+                      "properties": {"call": {"type": "integer", "minimum": 0}, "output": {"type": "string"}}}]}
+LLM_CALL = {"type": "object", "required": ["model"], "additionalProperties": False, "properties": {
     "model": {"type": "string"},
     "template": {"type": "string", "description": "text with {{input:NAME}} and {{output:NAME}} placeholders"},
+    "messages": {"type": "array", "description": "instead of template: a chat prompt, rendered as the chat endpoint "
+                 "renders it; the last message is {role: assistant, content: '{{output:NAME}}'}",
+                 "items": {"type": "object", "required": ["role", "content"], "additionalProperties": False,
+                           "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
+                                          "content": {"type": "string"}}}},
     "inputs": {"type": "object", "additionalProperties": BINDING},
     "outputs": {"type": "object", "additionalProperties": OUTPUT},
     "chat": {"type": "boolean", "description": "wrap the text before the first output in the chat template"}}}
@@ -119,11 +127,16 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
                 _q("timeout_s", {"type": "number"}, "give up after this many seconds (408)")),
         auth="sessionToken"),
     ("/v1/sessions/{sid}/calls", "post"): _op(
-        "Submit a semantic call (an LLM prompt template, or a tool node) into the session's DAG",
-        {201: ("the call and its output variables", {"type": "object", "properties": {
-            "id": {"type": "string"}, "outputs": {"type": "object"}, "state": {"type": "string"}}}),
+        "Submit a semantic call (an LLM prompt, or a tool node), or a batch of them, into the session's DAG",
+        {201: ("the call and its output variables (a batch: {calls: [...]} of them)", {
+            "type": "object", "properties": {"id": {"type": "string"}, "outputs": {"type": "object"},
+                                             "state": {"type": "string"}, "calls": {"type": "array"}}}),
          400: ERR, 403: ERR, 409: ERR, 413: ERR, 429: ERR, **SESSION_ERRS},
-        body={"oneOf": [LLM_CALL, TOOL_CALL]}, auth="sessionToken"),
+        body={"oneOf": [LLM_CALL, TOOL_CALL, {
+            "type": "object", "required": ["calls"], "additionalProperties": False,
+            "description": "a batch, all or nothing; an input may be {call: i, output: NAME}, an earlier call's output",
+            "properties": {"calls": {"type": "array", "items": {"oneOf": [LLM_CALL, TOOL_CALL]}}}}]},
+        auth="sessionToken"),
     ("/v1/sessions/{sid}/calls/{cid}", "get"): _op(
         "A call's state, error, and deduced objective and task group",
         {200: ("the call", {"type": "object"}), **SESSION_ERRS}, auth="sessionToken"),

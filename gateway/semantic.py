@@ -210,6 +210,7 @@ class SessionGraph:
         self._ready: List[Call] = []
         self._dispatch_scheduled = False
         self._groups = itertools.count()
+        self._batch: Optional[List[Call]] = None  # the calls of a batch being parsed
 
     # ----------------------------------------------------------- variables
     def variable(self, vid: Any, param: str = "variable") -> Variable:
@@ -273,36 +274,77 @@ class SessionGraph:
     def submit(self, body: Any) -> Call:
         """Check a semantic call completely, then link it into the DAG (and
         dispatch it if its inputs are ready)."""
+        return self.submit_many([body], batch=False)[0]
+
+    def submit_many(self, bodies: Any, batch: bool = True) -> List[Call]:
+        """Several calls at once (a whole DAG in one request): an input may
+        name the output of an earlier call of the same batch as
+        ``{"call": i, "output": name}``.  All or nothing: every call is
+        checked (with its position in errors) before any is kept."""
         self._check_open()
-        if not isinstance(body, dict):
-            raise _bad("the body must be a JSON object")
-        if "tool" in body:
-            call = self._parse_tool(body)
-        elif "template" in body or "messages" in body:
-            call = self._parse_llm(body)
-        else:
-            raise _bad("a semantic call needs a 'template' or 'messages' (an LLM call) or a 'tool' (a tool node)")
-        new_vars = [o.var for o in call.outputs.values() if o.var.id not in self.variables]
-        self._check_count(len(new_vars), 1)
-        self._check_cycle(call)
-        self._charge(call.nbytes)
+        if not isinstance(bodies, list) or not bodies:
+            raise _bad("calls must be a non-empty list of semantic calls", "calls")
+        calls: List[Call] = []
+        self._batch = calls if batch else None
+        try:
+            for i, body in enumerate(bodies):
+                try:
+                    if not isinstance(body, dict):
+                        raise _bad("the body must be a JSON object")
+                    if "tool" in body:
+                        calls.append(self._parse_tool(body))
+                    elif "template" in body or "messages" in body:
+                        calls.append(self._parse_llm(body))
+                    else:
+                        raise _bad("a semantic call needs a 'template' or 'messages' (an LLM call) or a 'tool' "
+                                   "(a tool node)")
+                except APIError as e:
+                    if batch:
+                        e.message, e.param = f"calls.{i}: {e.message}", f"calls.{i}" + (f".{e.param}" if e.param
+                                                                                        else "")
+                    raise
+        finally:
+            self._batch = None
+        new_vars = {o.var.id: o.var for c in calls for o in c.outputs.values() if o.var.id not in self.variables}
+        self._check_count(len(new_vars), len(calls))
+        linked: List[Call] = []
+        try:  # link one by one, so a cycle through an earlier call of the batch is seen
+            for i, call in enumerate(calls):
+                try:
+                    taken = next((o.var for o in call.outputs.values() if o.var.producer is not None), None)
+                    if taken is not None:
+                        raise APIError(409, f"the variable {taken.id} is already produced by another call",
+                                       param="outputs", code="variable_has_producer")
+                    self._check_cycle(call)
+                except APIError as e:
+                    if batch:
+                        e.message, e.param = f"calls.{i}: {e.message}", f"calls.{i}.{e.param}"
+                    raise
+                for o in call.outputs.values():
+                    o.var.producer = call
+                linked.append(call)
+            self._charge(sum(c.nbytes for c in calls))
+        except APIError:
+            for call in linked:
+                for o in call.outputs.values():
+                    o.var.producer = None
+            raise
         # commit: nothing below raises
-        for v in new_vars:
-            self.variables[v.id] = v
-        for o in call.outputs.values():
-            o.var.producer = call
-        for v in call.input_vars():
-            v.consumers.append(call)
-        self.calls[call.id] = call
-        failed = next((v for v in call.input_vars() if v.error is not None), None)
-        call.missing = sum(v.value is None for v in call.input_vars())
+        self.variables.update(new_vars)
+        for call in calls:
+            for v in call.input_vars():
+                v.consumers.append(call)
+            self.calls[call.id] = call
         if any(v.criterion for v in self.variables.values()):
             self._deduce()
-        if failed is not None:
-            self._fail(call, self._input_failed(call, failed))
-        elif call.missing == 0:
-            self._make_ready(call)
-        return call
+        for call in calls:
+            failed = next((v for v in call.input_vars() if v.error is not None), None)
+            call.missing = sum(v.value is None for v in call.input_vars())
+            if failed is not None:
+                self._fail(call, self._input_failed(call, failed))
+            elif call.missing == 0:
+                self._make_ready(call)
+        return calls
 
     def _inputs(self, body: Dict[str, Any], names: List[str]) -> Dict[str, Union[Variable, str]]:
         raw = body.get("inputs", {})
@@ -321,9 +363,23 @@ class SessionGraph:
                 out[n] = self.variable(b, f"inputs.{n}")
             elif isinstance(b, dict) and set(b) == {"value"} and isinstance(b["value"], str):
                 out[n] = b["value"]
+            elif isinstance(b, dict) and set(b) == {"call", "output"} and self._batch is not None:
+                out[n] = self._earlier_output(b, f"inputs.{n}")
             else:
-                raise _bad(f"inputs.{n} must be a variable id or {{\"value\": text}}", f"inputs.{n}")
+                raise _bad(f"inputs.{n} must be a variable id or {{\"value\": text}}"
+                           + (" or {\"call\": i, \"output\": name} (an earlier call of the batch)"
+                              if self._batch is not None else ""), f"inputs.{n}")
         return out
+
+    def _earlier_output(self, ref: Dict[str, Any], param: str) -> Variable:
+        i, name = ref["call"], ref["output"]
+        batch = self._batch or []
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(batch):
+            raise _bad(f"{param}: call must be the index of an earlier call of the batch (0..{len(batch) - 1})",
+                       param)
+        if name not in batch[i].outputs:
+            raise _bad(f"{param}: call {i} has no output {name!r} (it has {sorted(batch[i].outputs)})", param)
+        return batch[i].outputs[name].var
 
     def _outputs(self, body: Dict[str, Any], names: List[str], llm: bool) -> Dict[str, Output]:
         raw = body.get("outputs", {} if llm else None)

@@ -7,7 +7,8 @@
     POST   /v1/sessions/{sid}/variables              create (declared, or with a value)
     PUT    /v1/sessions/{sid}/variables/{vid}        set a declared variable's value
     GET    /v1/sessions/{sid}/variables/{vid}        wait for the value (criterion, stream, timeout_s)
-    POST   /v1/sessions/{sid}/calls                  submit a semantic call (LLM template or tool node)
+    POST   /v1/sessions/{sid}/calls                  submit a semantic call (LLM template or tool node),
+                                                     or {"calls": [...]}: a batch, all or nothing
     GET    /v1/sessions/{sid}/calls/{cid}            a call's state, error and deduced objective
 
 Every route but the first authenticates with the session's token.
@@ -36,6 +37,10 @@ def _error_body(var: Variable) -> dict:
     code = "session_closed" if err.get("code") == "session_closed" else "producer_failed"
     return {"error": {"message": err.get("message"), "type": "failed_dependency", "param": None, "code": code,
                       "call": err.get("call"), "producer_code": err.get("code")}}
+
+
+def _call_json(call: Any) -> dict:
+    return {"id": call.id, "outputs": {k: o.var.id for k, o in call.outputs.items()}, "state": call.state}
 
 
 def _timed_out(var: Variable, timeout: Any) -> APIError:
@@ -163,9 +168,13 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
             yield b"data: [DONE]\n\n"
 
     async def submit_call(request: Request, s: Session) -> Response:
-        call = s.graph.submit(await body_of(request))
-        return JSONResponse({"id": call.id, "outputs": {k: o.var.id for k, o in call.outputs.items()},
-                             "state": call.state}, status_code=201)
+        body = await body_of(request)
+        if isinstance(body, dict) and "calls" in body:  # a batch: the whole DAG in one request
+            if set(body) != {"calls"}:
+                raise APIError(400, "a batch body has only 'calls'", param="calls")
+            calls = s.graph.submit_many(body["calls"])
+            return JSONResponse({"calls": [_call_json(c) for c in calls]}, status_code=201)
+        return JSONResponse(_call_json(s.graph.submit(body)), status_code=201)
 
     async def call_info(request: Request, s: Session) -> Response:
         cid = request.path_params["cid"]

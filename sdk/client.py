@@ -258,6 +258,13 @@ class Session(_SessionBase):
         body = self._call_body(template, inputs, outputs or {}, model, chat, messages)
         return self._call(self.client._send(wire.submit_call(self.id, self.token, body)))
 
+    def submit_calls(self, calls: Sequence[Mapping[str, Any]]) -> List["Call"]:
+        """Submit a whole DAG in one request, all or nothing: ``calls`` are call bodies in
+        the server's syntax (docs/semantic-variables.md); an input may be
+        ``{"call": i, "output": NAME}``, the output of an earlier call of the list."""
+        body = {"calls": [dict(c) for c in calls]}
+        return [self._call(c) for c in self.client._send(wire.submit_call(self.id, self.token, body))["calls"]]
+
     def tool(self, name: str, arguments: Mapping[str, Any], inputs: Optional[Mapping[str, InputValue]] = None,
              output: OutputValue = None, output_name: str = "result") -> "Call":
         """Submit a tool node: the server runs the registered tool ``name`` once its inputs are
@@ -307,6 +314,10 @@ class AsyncSession(_SessionBase):
                      chat: bool = False, messages: Optional[Sequence[Mapping[str, str]]] = None) -> "Call":
         body = self._call_body(template, inputs, outputs or {}, model, chat, messages)
         return self._call(await self.client._send(wire.submit_call(self.id, self.token, body)))
+
+    async def submit_calls(self, calls: Sequence[Mapping[str, Any]]) -> List["Call"]:
+        body = {"calls": [dict(c) for c in calls]}
+        return [self._call(c) for c in (await self.client._send(wire.submit_call(self.id, self.token, body)))["calls"]]
 
     async def tool(self, name: str, arguments: Mapping[str, Any], inputs: Optional[Mapping[str, InputValue]] = None,
                    output: OutputValue = None, output_name: str = "result") -> "Call":

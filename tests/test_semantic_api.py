@@ -258,6 +258,53 @@ def test_tool_nodes_need_the_permission_and_feed_llm_calls(live, http):
     s.delete()
 
 
+# ------------------------------------------------------------------ batches
+def test_a_batch_submits_a_whole_dag_in_one_request(live, http):
+    s = S(http)
+    r = s.submit(calls=[
+        {"model": "smollm2", "template": "Name a {{input:k}}: {{output:a}}", "inputs": {"k": {"value": "fruit"}},
+         "outputs": {"a": {"sampling": {"max_tokens": 3}}}},
+        {"model": "smollm2", "template": "{{input:x}} is {{output:b}}", "inputs": {"x": {"call": 0, "output": "a"}},
+         "outputs": {"b": {"sampling": {"max_tokens": 3}}}},
+        {"model": "smollm2", "template": "{{input:x}} {{input:y}}! {{output:c}}",
+         "inputs": {"x": {"call": 0, "output": "a"}, "y": {"call": 1, "output": "b"}},
+         "outputs": {"c": {"sampling": {"max_tokens": 3}}}}])
+    calls = r["calls"]
+    assert [set(c["outputs"]) for c in calls] == [{"a"}, {"b"}, {"c"}]
+    assert s.value(calls[2]["outputs"]["c"]) is not None
+    info = http.get(s.url(f"/calls/{calls[1]['id']}"), headers=s.h).json()
+    assert info["inputs"] == {"x": calls[0]["outputs"]["a"]} and info["state"] == "done"
+    s.delete()
+
+
+def test_a_bad_batch_keeps_nothing_and_names_the_call(live, http):
+    s = S(http)
+    ok = {"model": "smollm2", "template": "Hi {{output:a}}", "outputs": {"a": {}}}
+    r = s.submit(400, calls=[ok, {"model": "smollm2", "template": "{{input:x}}{{output:b}}",
+                                  "inputs": {"x": {"call": 1, "output": "b"}}, "outputs": {"b": {}}}])
+    assert r["error"]["message"].startswith("calls.1: ") and r["error"]["param"] == "calls.1.inputs.x"
+    r = s.submit(400, calls=[ok, {"model": "smollm2", "template": "{{input:x}}{{output:b}}",
+                                  "inputs": {"x": {"call": 0, "output": "zz"}}, "outputs": {"b": {}}}])
+    assert "has no output 'zz'" in r["error"]["message"]
+    declared = s.var(name="x")
+    twice = {"model": "smollm2", "template": "{{output:a}}", "outputs": {"a": {"variable": declared}}}
+    assert s.submit(409, calls=[twice, twice])["error"]["code"] == "variable_has_producer"
+    # a cycle through an earlier call of the batch: 0 reads x, 1 writes x from 0's output
+    cyc = s.submit(400, calls=[
+        {"model": "smollm2", "template": "{{input:x}}{{output:a}}", "inputs": {"x": declared}, "outputs": {"a": {}}},
+        {"model": "smollm2", "template": "{{input:y}}{{output:b}}", "inputs": {"y": {"call": 0, "output": "a"}},
+         "outputs": {"b": {"variable": declared}}}])
+    assert cyc["error"]["code"] == "cycle" and cyc["error"]["message"].startswith("calls.1: ")
+    assert s.submit(400, calls=[])["error"]["param"] == "calls"
+    assert s.submit(400, calls=[ok], extra=1)["error"]["param"] == "calls"
+    # outside a batch, a reference to another call is not a binding
+    assert "variable id" in s.submit(400, model="smollm2", template="{{input:x}}{{output:b}}",
+                                     inputs={"x": {"call": 0, "output": "a"}}, outputs={"b": {}})["error"]["message"]
+    info = http.get(s.url(), headers=s.h).json()
+    assert info["variables"] == 1 and sum(info["calls"].values()) == 0  # only the declared variable
+    s.delete()
+
+
 # ---------------------------------------------------- chat prompts as messages
 CHAT = [("system", "You are terse. The topic is {{input:topic}}."),
         ("user", "Tell me one fact about {{input:topic}}, in a sentence.\n\n{{input:extra}}")]
