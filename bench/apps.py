@@ -89,7 +89,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import httpx
 
@@ -472,17 +472,19 @@ def free_port() -> int:
 
 
 class Gateway:
-    """The gateway app on loopback, uvicorn in a thread (``with Gateway(cfg) as gw``)."""
+    """The gateway app on loopback, uvicorn in a thread (``with Gateway(cfg) as gw``);
+    ``wrap`` wraps the ASGI app uvicorn serves."""
 
-    def __init__(self, config: Dict[str, Any]):
+    def __init__(self, config: Dict[str, Any], wrap: Optional[Callable[[Any], Any]] = None):
         import uvicorn
 
         from interlace.gateway.app import create_app
         from interlace.gateway.config import parse_config
 
         self.app = create_app(parse_config(config, "<bench apps>"))
+        self.served = wrap(self.app) if wrap is not None else self.app  # e.g. a simulated network
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+        self.server = uvicorn.Server(uvicorn.Config(self.served, host="127.0.0.1", port=self.port, log_level="warning",
                                                     timeout_graceful_shutdown=2, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="bench-apps-gateway")
 

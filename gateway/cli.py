@@ -167,6 +167,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from interlace.bench import apps as bench_apps
 
         return bench_apps.main(args.rest)
+    if args.what == "langchain":
+        from interlace.bench import langchain_apps
+
+        return langchain_apps.main(args.rest)
     print(f"unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -203,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plugins)
 
-    b = sub.add_parser("bench", help="run a benchmark (engine, tools, trace)")
-    b.add_argument("what", choices=["engine", "tools", "trace", "apps"])
+    b = sub.add_parser("bench", help="run a benchmark (engine, tools, trace, apps, langchain)")
+    b.add_argument("what", choices=["engine", "tools", "trace", "apps", "langchain"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 

@@ -616,22 +616,14 @@ class SemanticChain(Runnable[Any, Any]):
         model = plan.model
         assert model is not None
         finals = _final_texts(plan.result)
-        roots, later = _stages(plan)
-        made: Dict[int, Any] = {}
         with Client(model.server_root, api_key=_secret(model), model=model.model_name,
-                    timeout=_timeout(model)) as client, client.session(self.session_ttl_s) as session, \
-                ThreadPoolExecutor(max_workers=16) as pool:
-            def submit(c: _PlannedCall) -> None:
-                made[c.output.index] = session.submit(**self._call_args(c, made, finals)).output
-
-            def declare(c: _PlannedCall) -> None:
-                made[c.output.index] = session.variable(name=f"out{c.output.index}")
-
-            # two round trips for the whole DAG: the calls that read no server value, while the
-            # outputs of the others are declared; then the others, writing the declared variables
-            list(pool.map(lambda job: job[0](job[1]), [(submit, c) for c in roots] + [(declare, c) for c in later]))
-            list(pool.map(submit, later))
-            values = list(pool.map(lambda i: made[i].get(criterion=self.criterion), finals))
+                    timeout=_timeout(model)) as client, client.session(self.session_ttl_s) as session:
+            made = [c.output for c in session.submit_calls(self._bodies(plan, finals))]
+            if len(finals) == 1:
+                values = [made[finals[0]].get(criterion=self.criterion)]
+            else:
+                with ThreadPoolExecutor(max_workers=min(16, len(finals))) as pool:
+                    values = list(pool.map(lambda i: made[i].get(criterion=self.criterion), finals))
         return _materialize(plan.result, dict(zip(finals, values)))
 
     async def ainvoke(self, input: Any, config: Optional[RunnableConfig] = None, **kwargs: Any) -> Any:
@@ -639,36 +631,23 @@ class SemanticChain(Runnable[Any, Any]):
         model = plan.model
         assert model is not None
         finals = _final_texts(plan.result)
-        roots, later = _stages(plan)
-        made: Dict[int, Any] = {}
         async with AsyncClient(model.server_root, api_key=_secret(model), model=model.model_name,
                                timeout=_timeout(model)) as client:
             async with client.session(self.session_ttl_s) as session:
-                async def submit(c: _PlannedCall) -> None:
-                    made[c.output.index] = (await session.submit(**self._call_args(c, made, finals))).output
-
-                async def declare(c: _PlannedCall) -> None:
-                    made[c.output.index] = await session.variable(name=f"out{c.output.index}")
-
-                await asyncio.gather(*(submit(c) for c in roots), *(declare(c) for c in later))
-                await asyncio.gather(*(submit(c) for c in later))
+                made = [c.output for c in await session.submit_calls(self._bodies(plan, finals))]
                 values = await asyncio.gather(*(made[i].aget(criterion=self.criterion) for i in finals))
         return _materialize(plan.result, dict(zip(finals, values)))
 
-    def _call_args(self, c: _PlannedCall, made: Dict[int, Any], finals: List[int]) -> Dict[str, Any]:
-        """``Session.submit`` arguments of a planned call; ``made`` holds the variables of the
-        other calls (declared or produced).  A final value's producer gets the criterion up front."""
-        i = c.output.index
-        out = Output(**c.sampling, criterion=self.criterion if i in finals else None)
-        return {"messages": c.messages, "model": c.model.model_name,
-                "outputs": {"out": out.to_json(made[i].id) if i in made else out},
-                "inputs": {k: (made[v.index] if isinstance(v, _Text) else v) for k, v in c.inputs.items()}}
-
-
-def _stages(plan: _Plan) -> Tuple[List[_PlannedCall], List[_PlannedCall]]:
-    """The calls that read only client values, and the others."""
-    roots = [c for c in plan.calls if not any(isinstance(v, _Text) for v in c.inputs.values())]
-    return roots, [c for c in plan.calls if c not in roots]
+    def _bodies(self, plan: _Plan, finals: List[int]) -> List[Dict[str, Any]]:
+        """The plan as one batch of call bodies (the whole DAG in one request); a final
+        value's producer gets the criterion up front."""
+        bodies = []
+        for c in plan.calls:
+            out = Output(**c.sampling, criterion=self.criterion if c.output.index in finals else None)
+            bodies.append({"model": c.model.model_name, "messages": c.messages, "outputs": {"out": out.to_json()},
+                           "inputs": {k: ({"call": v.index, "output": "out"} if isinstance(v, _Text)
+                                          else {"value": v}) for k, v in c.inputs.items()}})
+        return bodies
 
 
 def _check_structure(r: Any) -> None:
