@@ -94,11 +94,14 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
          400: ERR, 401: ERR, 403: ERR, 404: ERR, 413: ERR, 415: ERR},
         body={"type": "object", "required": ["model", "messages"]}),
     ("/v1/sessions", "post"): _op(
-        "Create a Semantic Variables session; answers its id and bearer token",
+        "Create a Semantic Variables session; answers its id and bearer token (and submits a first batch of "
+        "calls with it, all or nothing: a refused batch leaves no session)",
         {201: ("the session", {"type": "object", "properties": {
             "id": {"type": "string"}, "token": {"type": "string"}, "ttl_s": {"type": "number"},
-            "expires_at": {"type": "number"}, "limits": {"type": "object"}}}), 400: ERR, 401: ERR, 429: ERR},
-        body={"type": "object", "properties": {"ttl_s": {"type": "number", "exclusiveMinimum": 0}},
+            "expires_at": {"type": "number"}, "limits": {"type": "object"}, "calls": {"type": "array"}}}),
+         400: ERR, 401: ERR, 404: ERR, 409: ERR, 413: ERR, 429: ERR},
+        body={"type": "object", "properties": {"ttl_s": {"type": "number", "exclusiveMinimum": 0},
+                                               "calls": {"type": "array", "items": {"oneOf": [LLM_CALL, TOOL_CALL]}}},
               "additionalProperties": False}),
     ("/v1/sessions/{sid}", "get"): _op(
         "A session's state and usage (prompt, filled and forked tokens)",

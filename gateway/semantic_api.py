@@ -1,7 +1,8 @@
 """The HTTP routes of sessions, Semantic Variables and semantic calls
 (contract: docs/semantic-variables.md; schema: ``GET /openapi.json``).
 
-    POST   /v1/sessions                              create (API key when configured) -> id, token
+    POST   /v1/sessions                              create (API key when configured) -> id, token; with
+                                                     "calls": [...] a first batch, in the same request
     GET    /v1/sessions/{sid}                        state and usage (tokens forked, filled, ...)
     DELETE /v1/sessions/{sid}                        free everything it holds
     POST   /v1/sessions/{sid}/variables              create (declared, or with a value)
@@ -79,12 +80,19 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
     async def create_session(request: Request) -> Response:
         caller = guard_.authenticate(config, request)
         body = await body_of(request, optional=True)
-        unknown = sorted(set(body) - {"ttl_s"})
+        unknown = sorted(set(body) - {"ttl_s", "calls"})
         if unknown:
-            raise APIError(400, f"unknown key(s) {unknown}; a session takes only ttl_s", param=unknown[0])
+            raise APIError(400, f"unknown key(s) {unknown}; a session takes only ttl_s and calls", param=unknown[0])
         s = gw.sessions.create(caller, body.get("ttl_s"))
-        return JSONResponse({"id": s.id, "token": s.token, "ttl_s": s.ttl_s, "expires_at": round(s.expires_at, 3),
-                             "limits": s.graph.limits.as_dict()}, status_code=201)
+        out = {"id": s.id, "token": s.token, "ttl_s": s.ttl_s, "expires_at": round(s.expires_at, 3),
+               "limits": s.graph.limits.as_dict()}
+        if "calls" in body:  # a whole DAG with the session, in one round trip; nothing kept if it is refused
+            try:
+                out["calls"] = [_call_json(c) for c in s.graph.submit_many(body["calls"])]
+            except APIError:
+                await gw.sessions.delete(s)
+                raise
+        return JSONResponse(out, status_code=201)
 
     async def session_info(request: Request, s: Session) -> Response:
         return JSONResponse(s.describe())

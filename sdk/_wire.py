@@ -31,8 +31,12 @@ class Request:
     wait_s: float = 0.0
 
 
-def create_session(api_key: Optional[str], ttl_s: Optional[float]) -> Request:
-    return Request("POST", API, json={} if ttl_s is None else {"ttl_s": ttl_s}, token=api_key)
+def create_session(api_key: Optional[str], ttl_s: Optional[float],
+                   calls: Optional[List[Dict[str, Any]]] = None) -> Request:
+    body: Dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
+    if calls is not None:
+        body["calls"] = calls
+    return Request("POST", API, json=body, token=api_key)
 
 
 def session_info(sid: str, token: str) -> Request:

@@ -97,11 +97,13 @@ class Client(_ClientBase):
         super().__init__(base_url, api_key, model, timeout)
         self._http = httpx.Client(base_url=base_url, timeout=timeout, limits=self.LIMITS, transport=transport)
 
-    def session(self, ttl_s: Optional[float] = None) -> "Session":
+    def session(self, ttl_s: Optional[float] = None, calls: Optional[Sequence[Mapping[str, Any]]] = None
+                ) -> "Session":
         """Create a session (``POST /v1/sessions``).  Use it as ``with client.session() as s:``
         to make it the current session and free it at the end; ``ttl_s`` is how long it may
-        stay idle before the server frees it anyway."""
-        return Session(self, self._send(wire.create_session(self.api_key, ttl_s)))
+        stay idle before the server frees it anyway.  ``calls`` (as for
+        :meth:`Session.submit_calls`) are submitted with it, in the same request: ``s.calls``."""
+        return Session(self, self._send(wire.create_session(self.api_key, ttl_s, _calls(calls))))
 
     def close(self) -> None:
         self._http.close()
@@ -138,10 +140,12 @@ class AsyncClient(_ClientBase):
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=self.LIMITS,
                                        transport=transport)
 
-    def session(self, ttl_s: Optional[float] = None) -> "_OpeningSession":
+    def session(self, ttl_s: Optional[float] = None, calls: Optional[Sequence[Mapping[str, Any]]] = None
+                ) -> "_OpeningSession":
         """A session to open: ``async with client.session() as s:`` (current, freed at the end)
-        or ``s = await client.session()`` (then ``await s.close()``)."""
-        return _OpeningSession(self, ttl_s)
+        or ``s = await client.session()`` (then ``await s.close()``); ``calls`` as for
+        :meth:`Client.session`."""
+        return _OpeningSession(self, ttl_s, _calls(calls))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -184,6 +188,8 @@ class _SessionBase:
         self.expires_at: Optional[float] = body.get("expires_at")
         self.limits: Dict[str, Any] = dict(body.get("limits") or {})
         self.closed = False
+        #: the calls submitted with the session (``client.session(calls=[...])``), in order
+        self.calls: List["Call"] = [self._call(c) for c in body.get("calls") or []]
         self._entered: List[Token] = []
 
     def _enter(self) -> None:
@@ -262,7 +268,7 @@ class Session(_SessionBase):
         """Submit a whole DAG in one request, all or nothing: ``calls`` are call bodies in
         the server's syntax (docs/semantic-variables.md); an input may be
         ``{"call": i, "output": NAME}``, the output of an earlier call of the list."""
-        body = {"calls": [dict(c) for c in calls]}
+        body = {"calls": _calls(calls)}
         return [self._call(c) for c in self.client._send(wire.submit_call(self.id, self.token, body))["calls"]]
 
     def tool(self, name: str, arguments: Mapping[str, Any], inputs: Optional[Mapping[str, InputValue]] = None,
@@ -316,7 +322,7 @@ class AsyncSession(_SessionBase):
         return self._call(await self.client._send(wire.submit_call(self.id, self.token, body)))
 
     async def submit_calls(self, calls: Sequence[Mapping[str, Any]]) -> List["Call"]:
-        body = {"calls": [dict(c) for c in calls]}
+        body = {"calls": _calls(calls)}
         return [self._call(c) for c in (await self.client._send(wire.submit_call(self.id, self.token, body)))["calls"]]
 
     async def tool(self, name: str, arguments: Mapping[str, Any], inputs: Optional[Mapping[str, InputValue]] = None,
@@ -353,13 +359,13 @@ class _OpeningSession:
     """What ``AsyncClient.session()`` returns: creating a session is I/O, so it happens in
     ``await`` or ``async with``, not in the call."""
 
-    def __init__(self, client: AsyncClient, ttl_s: Optional[float]):
-        self._client, self._ttl_s = client, ttl_s
+    def __init__(self, client: AsyncClient, ttl_s: Optional[float], calls: Optional[List[Dict[str, Any]]] = None):
+        self._client, self._ttl_s, self._calls = client, ttl_s, calls
         self._session: Optional[AsyncSession] = None
 
     async def _open(self) -> AsyncSession:
-        return AsyncSession(self._client, await self._client._send(wire.create_session(self._client.api_key,
-                                                                                       self._ttl_s)))
+        return AsyncSession(self._client, await self._client._send(
+            wire.create_session(self._client.api_key, self._ttl_s, self._calls)))
 
     def __await__(self) -> Any:
         return self._open().__await__()
@@ -543,6 +549,10 @@ class Call:
 
 
 # ------------------------------------------------------------------ helpers
+def _calls(calls: Optional[Sequence[Mapping[str, Any]]]) -> Optional[List[Dict[str, Any]]]:
+    return None if calls is None else [dict(c) for c in calls]
+
+
 def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"a variable's value is text (str), got {type(value).__name__}")

@@ -277,6 +277,23 @@ def test_a_batch_submits_a_whole_dag_in_one_request(live, http):
     s.delete()
 
 
+def test_a_session_may_come_with_its_first_batch(live, http):
+    h = {"Authorization": f"Bearer {KEY}"}
+    call = {"model": "smollm2", "template": "Hi {{output:a}}", "outputs": {"a": {"sampling": {"max_tokens": 2}}}}
+    r = http.post("/v1/sessions", json={"calls": [call]}, headers=h)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    s_h = {"Authorization": f"Bearer {body['token']}"}
+    vid = body["calls"][0]["outputs"]["a"]
+    assert http.get(f"/v1/sessions/{body['id']}/variables/{vid}", headers=s_h).json()["value"] is not None
+    assert http.delete(f"/v1/sessions/{body['id']}", headers=s_h).status_code == 200
+    before = len(live.gateway.sessions.sessions)
+    bad = http.post("/v1/sessions", json={"calls": [call, {"model": "nope", "template": "{{output:b}}"}]}, headers=h)
+    assert bad.status_code == 404 and bad.json()["error"]["message"].startswith("calls.1: ")
+    assert len(live.gateway.sessions.sessions) == before  # no session kept
+    assert http.post("/v1/sessions", json={"calls": [call]}).status_code == 401
+
+
 def test_a_bad_batch_keeps_nothing_and_names_the_call(live, http):
     s = S(http)
     ok = {"model": "smollm2", "template": "Hi {{output:a}}", "outputs": {"a": {}}}

@@ -617,8 +617,9 @@ class SemanticChain(Runnable[Any, Any]):
         assert model is not None
         finals = _final_texts(plan.result)
         with Client(model.server_root, api_key=_secret(model), model=model.model_name,
-                    timeout=_timeout(model)) as client, client.session(self.session_ttl_s) as session:
-            made = [c.output for c in session.submit_calls(self._bodies(plan, finals))]
+                    timeout=_timeout(model)) as client, \
+                client.session(self.session_ttl_s, calls=self._bodies(plan, finals)) as session:
+            made = [c.output for c in session.calls]  # the whole DAG went with the session: one round trip
             if len(finals) == 1:
                 values = [made[finals[0]].get(criterion=self.criterion)]
             else:
@@ -633,8 +634,8 @@ class SemanticChain(Runnable[Any, Any]):
         finals = _final_texts(plan.result)
         async with AsyncClient(model.server_root, api_key=_secret(model), model=model.model_name,
                                timeout=_timeout(model)) as client:
-            async with client.session(self.session_ttl_s) as session:
-                made = [c.output for c in await session.submit_calls(self._bodies(plan, finals))]
+            async with client.session(self.session_ttl_s, calls=self._bodies(plan, finals)) as session:
+                made = [c.output for c in session.calls]
                 values = await asyncio.gather(*(made[i].aget(criterion=self.criterion) for i in finals))
         return _materialize(plan.result, dict(zip(finals, values)))
 
