@@ -515,7 +515,8 @@ def test_e2e_criterion_reaches_the_scheduler(client: Client) -> None:
         upfront = s.submit(PROMPT, outputs={"out": Output(max_tokens=2, criterion="throughput")})
         assert upfront.info()["objective"] == "throughput"
         subject.set("glaciers")
-        assert question.get(timeout=120) and other.get(timeout=120)
+        # both finish (a 135M model may well answer a stop sequence first: the text may be empty)
+        assert isinstance(question.get(timeout=120), str) and isinstance(other.get(timeout=120), str)
 
 
 PROMPT = "Q: What is the capital of France?\nA:{{out}}"
