@@ -258,3 +258,19 @@ def test_a_server_error_is_typed_and_leaves_nothing(live):
         to_semantic(chain).invoke({"x": "hi"})
     assert not live.gateway.sessions.sessions
     assert json.dumps(engine_state(live))  # still answers
+
+
+def test_jinja2_is_converted_only_where_langchain_renders_it_sandboxed(monkeypatch):
+    import jinja2
+    import langchain_core.prompts.string as lc_string
+
+    from interlace.sdk.langchain import semantic_chain
+
+    chain = _two_step(PromptTemplate.from_template("Describe {{ thing }}.", template_format="jinja2"))
+    monkeypatch.setattr(semantic_chain, "_SANDBOXED", None)
+    assert len(to_semantic(chain).plan({"kind": "cat"}).calls) == 2  # langchain-core renders in a sandbox
+    monkeypatch.setattr(semantic_chain, "_SANDBOXED", None)
+    monkeypatch.setattr(lc_string, "jinja2_formatter",
+                        lambda template, **kw: jinja2.Environment().from_string(template).render(**kw))
+    with pytest.raises(ConversionError, match="sandboxed"):
+        to_semantic(chain).plan({"kind": "cat"})

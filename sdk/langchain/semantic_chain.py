@@ -510,7 +510,7 @@ def _secret(model: ChatInterlace) -> Optional[str]:
 
 UNSUPPORTED = ("{} is not converted (supported: prompt templates, ChatInterlace, output parsers, "
                "RunnableParallel, RunnablePassthrough, assign, pick, map, RunnableLambda)")
-SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "seed", "stop")
+SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop")
 SAMPLING_KWARGS = set(SAMPLING_KEYS) | {"model"}
 ROLES = ("system", "developer", "user", "assistant")
 
