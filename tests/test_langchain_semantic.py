@@ -144,6 +144,12 @@ def test_what_needs_a_round_trip_is_refused_at_invoke_naming_the_runnable(chain,
     assert named in str(info.value)
 
 
+def test_inputs_holding_the_marker_characters_are_refused():
+    chain = PromptTemplate.from_template("{x}") | model() | StrOutputParser()
+    with pytest.raises(ConversionError, match="private-use"):
+        to_semantic(chain).plan({"x": "a \ue000 b"})
+
+
 def test_structured_output_is_refused():
     class Joke(BaseModel):
         setup: str

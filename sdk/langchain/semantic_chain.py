@@ -47,7 +47,7 @@ import re
 import string
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
@@ -605,6 +605,9 @@ class SemanticChain(Runnable[Any, Any]):
     def plan(self, input: Any) -> _Plan:
         """The calls ``input`` makes the server run, and the result with placeholders
         (``plan.result``); nothing is sent.  Raises :class:`ConversionError`."""
+        if any(ch in text for text in _strings(input) for ch in _DELIMITERS):
+            raise ConversionError(self.chain, "the input holds private-use characters (U+E000-U+E003) that "
+                                              "to_semantic uses to mark server values")
         plan = _Plan()
         plan.result = _Interpreter(plan).run(self.chain, input)
         if not plan.calls:
@@ -649,6 +652,23 @@ class SemanticChain(Runnable[Any, Any]):
                            "inputs": {k: ({"call": v.index, "output": "out"} if isinstance(v, _Text)
                                           else {"value": v}) for k, v in c.inputs.items()}})
         return bodies
+
+
+_DELIMITERS = ("\ue000", "\ue001", "\ue002", "\ue003")
+
+
+def _strings(v: Any) -> Iterator[str]:
+    if isinstance(v, str):
+        yield v
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            yield from _strings(k)
+            yield from _strings(x)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _strings(x)
+    elif isinstance(v, BaseMessage) and isinstance(v.content, str):
+        yield v.content
 
 
 def _check_structure(r: Any) -> None:
