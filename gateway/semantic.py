@@ -232,8 +232,9 @@ class SessionGraph:
                            code="session_limit")
         pending = sum(c.state in ("pending", "running") for c in self.calls.values())
         if new_calls and pending + new_calls > self.limits.max_pending_calls:
-            raise APIError(429, f"the session has {pending} calls pending or running, its limit is "
-                                f"{self.limits.max_pending_calls}; get some results first", code="session_limit")
+            raise APIError(429, f"the session would have {pending + new_calls} calls pending or running, over its "
+                                f"limit of {self.limits.max_pending_calls}; get some results first",
+                           code="session_limit")
 
     def create_variable(self, name: Optional[str] = None, value: Optional[str] = None) -> Variable:
         self._check_open()
