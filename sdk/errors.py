@@ -130,6 +130,8 @@ def error_from_body(body: Any, status: Optional[int] = None) -> InterlaceError:
         message = f"HTTP {status}: {body!r}" if status is not None else f"unexpected error: {body!r}"
     code = err.get("code") if isinstance(err.get("code"), str) else None
     cls = error_class(status, code)
+    if cls is InterlaceError and status is None:  # an SSE error event: OpenAI's type says whose fault it was
+        cls = {"server_error": ServerError, "invalid_request_error": BadRequestError}.get(err.get("type"), cls)
     kw: Dict[str, Any] = dict(status=status, code=code, param=err.get("param"), type=err.get("type"),
                               body=body if isinstance(body, Mapping) else {"error": err})
     if cls is ProducerFailedError:

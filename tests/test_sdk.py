@@ -233,6 +233,16 @@ def test_error_bodies_become_typed_exceptions(status: int, code: str, cls: type)
         assert err.call == "call_9"
 
 
+@pytest.mark.parametrize("type_, code, cls", [
+    ("server_error", "internal_error", ServerError), ("invalid_request_error", None, BadRequestError),
+    ("server_error", "producer_failed", ProducerFailedError), ("other", None, InterlaceError)])
+def test_a_stream_error_without_status_is_typed_by_code_then_type(type_: str, code: str, cls: type) -> None:
+    from interlace.sdk.errors import error_from_body
+
+    err = error_from_body({"error": {"message": "boom", "type": type_, "code": code}})
+    assert type(err) is cls and err.status is None
+
+
 def test_a_non_json_error_keeps_the_status_and_text() -> None:
     fake = FakeServer({("POST", "/v1/sessions"): lambda r: httpx.Response(502, text="bad gateway")})
     with fake.client() as client, pytest.raises(ServerError, match="bad gateway") as info:
