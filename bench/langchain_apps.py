@@ -20,7 +20,7 @@ import platform
 import random
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from .apps import FULL, MODEL, QUICK, BenchError, Gateway, chunk_text, gateway_config, load_document, parse_delay
 

@@ -18,7 +18,6 @@ Every route but the first authenticates with the session's token.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, AsyncIterator, Awaitable, Callable, List
 
 from starlette.requests import Request
