@@ -48,6 +48,7 @@ def test_a_chain_becomes_calls_with_the_prompt_langchain_renders():
          {"role": "user", "content": "Describe {{input:v0}} in three words."},
          {"role": "assistant", "content": "{{output:out}}"}]]
     assert plan.calls[1].inputs == {"v0": plan.calls[0].output}
+    assert [c.name for c in plan.calls] == ["animal", "call_1"]  # named by the assign key, else by position
     assert plan.calls[0].sampling == {"temperature": 0.0, "max_tokens": 12}
     assert plan.calls[1].sampling == {"temperature": 0.0, "max_tokens": 5}  # .bind() wins, as in LangChain
     # the chat endpoint samples at temperature 1 when none is set: so does the converted call
@@ -223,6 +224,7 @@ def test_map_reduce_with_parallel_branches_and_lambdas_round_trip(live):
               | StrOutputParser())
     plan = to_semantic(mapper | reduce).plan({"parts": parts})
     assert len(plan.calls) == 4 and set(plan.calls[3].inputs) == {"v0", "v1", "v2"}
+    assert [c.name for c in plan.calls] == ["s0", "s1", "s2", "call_3"]
     _same(mapper | reduce, {"parts": parts}, live)
     # .map() over a list known on the client
     items = RunnableLambda(lambda x: [{"part": p} for p in x["parts"]]) | summarize.map()

@@ -209,6 +209,7 @@ class _Prompt:
 
 @dataclass(eq=False)
 class _PlannedCall:
+    name: str                             # the output variable's name: the assign/parallel keys leading to it
     model: ChatInterlace
     messages: List[Dict[str, str]]        # contents in the server's template syntax
     inputs: Dict[str, Any]                # placeholder -> _Text or a constant string
@@ -292,6 +293,22 @@ def _untwin(v: Any) -> Any:
 class _Interpreter:
     def __init__(self, plan: _Plan):
         self.plan = plan
+        self.keys: List[str] = []  # the assign / parallel keys of the branch being evaluated
+
+    def _branch(self, key: Any, r: Any, value: Any) -> Any:
+        self.keys.append(str(key))
+        try:
+            return self.run(r, value)
+        finally:
+            self.keys.pop()
+
+    def _call_name(self) -> str:
+        """LangChain's graph names nothing; a call is named by the keys that lead to it
+        (``summary_1``, ``notes.s0``), else by its position, unique in the plan."""
+        base = re.sub(r"[^A-Za-z0-9_.:-]", "_", ".".join(self.keys))[-48:].lstrip(".") or "call"
+        taken = {c.name for c in self.plan.calls}
+        name = base if base != "call" and base not in taken else f"{base}_{len(self.plan.calls)}"
+        return name
 
     def run(self, r: Any, value: Any) -> Any:
         if isinstance(r, RunnableSequence):
@@ -301,9 +318,9 @@ class _Interpreter:
         if isinstance(r, RunnableAssign):
             if not isinstance(value, dict):
                 raise ConversionError(r, f"assign() needs a dict input, got {type(value).__name__}")
-            return {**value, **self.run(r.mapper, value)}
+            return {**value, **{k: self._branch(k, b, value) for k, b in r.mapper.steps__.items()}}
         if isinstance(r, RunnableParallel):
-            return {k: self.run(branch, value) for k, branch in r.steps__.items()}
+            return {k: self._branch(k, branch, value) for k, branch in r.steps__.items()}
         if isinstance(r, RunnablePick):
             if not isinstance(value, dict):
                 raise ConversionError(r, f"pick() needs a dict input, got {type(value).__name__}")
@@ -319,7 +336,7 @@ class _Interpreter:
                 raise ConversionError(r, "map() runs over a list known on the client; this input is "
                                          + ("produced on the server" if isinstance(value, _Symbol)
                                             else f"a {type(value).__name__}"))
-            return [self.run(r.bound, item) for item in value]
+            return [self._branch(i, r.bound, item) for i, item in enumerate(value)]
         if isinstance(r, RunnableBinding):
             return self._binding(r, value)
         if isinstance(r, BaseChatModel):
@@ -394,7 +411,7 @@ class _Interpreter:
         sampling = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
         # the chat endpoint samples at temperature 1 when none is given; a semantic call is greedy by default
         sampling.setdefault("temperature", 1.0)
-        self.plan.calls.append(_PlannedCall(model, out_messages, inputs, sampling, out))
+        self.plan.calls.append(_PlannedCall(self._call_name(), model, out_messages, inputs, sampling, out))
         return _Reply(out)
 
     def _to_template(self, step: Any, content: str, inputs: Dict[str, Any]) -> str:
@@ -647,8 +664,9 @@ class SemanticChain(Runnable[Any, Any]):
         value's producer gets the criterion up front."""
         bodies = []
         for c in plan.calls:
-            out = Output(**c.sampling, criterion=self.criterion if c.output.index in finals else None)
-            bodies.append({"model": c.model.model_name, "messages": c.messages, "outputs": {"out": out.to_json()},
+            out = Output(**c.sampling, criterion=self.criterion if c.output.index in finals else None).to_json()
+            out["name"] = c.name
+            bodies.append({"model": c.model.model_name, "messages": c.messages, "outputs": {"out": out},
                            "inputs": {k: ({"call": v.index, "output": "out"} if isinstance(v, _Text)
                                           else {"value": v}) for k, v in c.inputs.items()}})
         return bodies
