@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Union
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
+import httpx
 import uvicorn
 
 from interlace.gateway.app import create_app
@@ -73,3 +79,40 @@ def wait_idle(live: LiveGateway, timeout: float = 10.0, model: str = "smollm2") 
         if st["contexts"] == 0 or time.time() > deadline:
             return st
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serve_subprocess(config: dict, root: Path) -> Iterator[str]:
+    """``interlace serve`` with ``config`` (written to ``root``) in a subprocess, as a user
+    starts it; yields its root URL once ``/health`` answers.  Terminated (then killed) at the
+    end, whatever happened; a server that dies or never answers raises with its log."""
+    cfg = root / "config.yaml"
+    cfg.write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    log_path = root / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "interlace.gateway.cli", "serve", "--config", str(cfg),
+                                 "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"interlace serve exited with {proc.returncode}:\n"
+                                       + log_path.read_text()[-3000:])
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError("interlace serve did not answer /health:\n" + log_path.read_text()[-3000:])
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)

@@ -45,10 +45,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import socket
-import subprocess
-import sys
-import time
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import httpx
@@ -62,6 +58,7 @@ from pydantic import BaseModel, Field
 
 from interlace.sdk import (APIConnectionError, APITimeoutError, AuthenticationError, BadRequestError,
                            InterlaceError, NotFoundError, ServerError)
+from gateway_server import serve_subprocess
 from interlace.sdk.langchain import chat_model
 from interlace.sdk.langchain.chat_model import ChatInterlace
 
@@ -69,57 +66,22 @@ lc_load = importlib.import_module("langchain_core.load.load")  # the module (the
 
 API_KEY = "langchain-test-key"
 MODEL = "smollm2"
-OTHER_MODEL = "smollm2-b"  # the same weights under a second name: a second engine
+OTHER_MODEL = "smollm2-b"  # the same weights under a second name (the gateway shares the engine)
 MAX_TOKENS = 64
 
 
 # ============================================================ the live gateway
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     """``interlace serve`` in a subprocess (its root URL, without ``/v1``); terminated (then
     killed) at the end, whatever happened.  Its key may use ``replay``."""
-    root = tmp_path_factory.mktemp("langchain_server")
-    cfg = root / "config.yaml"
     model = {"path": "embedded", "kv_cache_tokens": 8192, "dtype": "float32"}
-    cfg.write_text(json.dumps({  # JSON is YAML
+    config = {
         "server": {"api_keys": [{"key": API_KEY, "name": "langchain", "replay": True}], "default_max_tokens": 64},
         "models": {MODEL: model, OTHER_MODEL: model},
-    }))
-    port = _free_port()
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "interlace.gateway.cli", "serve", "--config", str(cfg),
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"interlace serve exited with {proc.returncode}:\n"
-                                   + (root / "server.log").read_text()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("interlace serve did not answer /health:\n"
-                                   + (root / "server.log").read_text()[-3000:])
-            time.sleep(0.2)
+    }
+    with serve_subprocess(config, tmp_path_factory.mktemp("langchain_server")) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
 
 
 def live_model(server: str, **kw: Any) -> ChatInterlace:

@@ -12,9 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import subprocess
-import sys
 import time
 from typing import Annotated, Any, Callable, Dict, List
 
@@ -26,6 +23,7 @@ from interlace.sdk import (APIConnectionError, AsyncClient, AuthenticationError,
                            ConflictError, GetTimeoutError, Input, InterlaceError, NoSessionError, NotFoundError,
                            Output, PermissionDeniedError, ProducerFailedError, SemanticVariable, ServerError,
                            SessionLimitError, semantic_function)
+from gateway_server import serve_subprocess
 from interlace.sdk._wire import sse_events
 from interlace.sdk.spec import to_server_template
 
@@ -411,53 +409,18 @@ MAX_BYTES = 65536
 MAX_TOKENS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     """``interlace serve`` in a subprocess; terminated (then killed) at the end, whatever happened."""
-    root = tmp_path_factory.mktemp("sdk_server")
-    cfg = root / "config.yaml"
-    cfg.write_text(json.dumps({  # JSON is YAML
+    config = {
         "server": {"api_keys": [{"key": API_KEY, "name": "sdk", "server_tools": ["calculator"]},
                                 {"key": NO_TOOLS_KEY, "name": "sdk_no_tools"}],
                    "default_max_tokens": 64,
                    "sessions": {"max_variables": MAX_VARIABLES, "max_bytes": MAX_BYTES}},
         "models": {"smollm2": {"path": "embedded", "kv_cache_tokens": 8192, "dtype": "float32"}},
-    }))
-    port = _free_port()
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "interlace.gateway.cli", "serve", "--config", str(cfg),
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"interlace serve exited with {proc.returncode}:\n"
-                                   + (root / "server.log").read_text()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("interlace serve did not answer /health:\n"
-                                   + (root / "server.log").read_text()[-3000:])
-            time.sleep(0.2)
+    }
+    with serve_subprocess(config, tmp_path_factory.mktemp("sdk_server")) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture
