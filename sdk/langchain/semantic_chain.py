@@ -718,24 +718,13 @@ def _check_structure(r: Any) -> None:
 def _final_texts(result: Any) -> List[int]:
     """The calls whose outputs the result needs (the others feed only the server)."""
     out: Dict[int, None] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, str):
-            out.update((int(i), None) for i in MARK_RE.findall(v))
-        elif isinstance(v, _Reply):
-            out[_reply_text(v).index] = None
-        elif isinstance(v, _Later):
-            walk(_later(v)[1])
-        elif isinstance(v, _Prompt):
-            walk(v.values)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-
-    walk(result)
+    for part in _server_parts(result):
+        if isinstance(part, int):
+            out[part] = None
+        elif isinstance(part, _Reply):
+            out[_reply_text(part).index] = None
+        elif isinstance(part, _Later):
+            out.update(dict.fromkeys(_final_texts(_later(part)[1])))
     return list(out)
 
 
