@@ -289,7 +289,8 @@ class GrammarCompiler:
         with self._lock:  # deep_copy reads the pristine matcher; keep it single-threaded
             matcher = grammar._matcher.deep_copy()
         guard = KeyGuard(self._token_table()) if grammar.unique_keys else None
-        return GrammarProcessor(matcher, self.eos_token_ids, self.vocab_size, kind=grammar.kind, key_guard=guard)
+        return GrammarProcessor(matcher, self.eos_token_ids, self.vocab_size, kind=grammar.kind, key_guard=guard,
+                                spec=grammar.spec)
 
     def _token_table(self) -> "_TokenTable":
         """Every token's bytes and quote count, built once per model (for :class:`KeyGuard`)."""
@@ -507,8 +508,10 @@ class GrammarProcessor:
     """
 
     def __init__(self, matcher: Any, eos_token_ids: Sequence[int], vocab_size: int, *, kind: str = "grammar",
-                 key_guard: Optional["KeyGuard"] = None):
+                 key_guard: Optional["KeyGuard"] = None, spec: Optional[str] = None):
         self.matcher = matcher
+        #: the llguidance grammar string: engines that run grammars themselves (vLLM) take it instead
+        self.spec = spec
         self.key_guard = key_guard
         self.kind = kind
         self.eos_token_ids = list(eos_token_ids)

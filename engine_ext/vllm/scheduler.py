@@ -1,0 +1,134 @@
+"""Interlace's ranking inside vLLM's scheduler.
+
+vLLM builds its scheduler from ``scheduler_config.scheduler_cls``; Interlace
+names :class:`InterlaceScheduler` there (see :func:`engine_args`).  It runs
+in vLLM's engine-core process, so the policy cannot be passed as an object:
+the frontend puts its *configuration* (ranking name, starvation threshold,
+refresh interval, the cost-model profile as a dict) into
+``VllmConfig.additional_config["interlace"]`` and this class builds the
+**same policy objects** the native engine uses
+(:func:`engine_ext.policies.make_ranking` wrapped in
+:class:`~engine_ext.policies.ObjectiveRanking`), not a reimplementation.
+
+Every step, before vLLM's own ``schedule()`` admits waiting requests from
+the front of its FCFS queue, the waiting queue is put in the ranking's
+order; after it, the ranking is told who was admitted (starvation
+counting).  What a ranking reads of a request (:class:`SchedInfo`) comes
+from the request itself (context length, tokens generated) and from the
+frontend's :class:`~engine_ext.protocol.RequestHint`, carried in
+``SamplingParams.extra_args["interlace"]``.  A request resumed after a tool
+call keeps the arrival time of its job (the frontend passes it), as
+InferCept's improved discard does.
+
+What it does not do: it does not reorder ``running`` (vLLM preempts from
+its end) nor the queue of preempted requests that still hold KV blocks
+(vLLM drains those first, before any new request).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from ..policies import ObjectiveRanking, Profile, make_ranking
+from ..policies.interception import make_interception
+from ..policies.ranking import RankingPolicy, RankState, SchedInfo
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = "interlace"
+
+
+class _Item:
+    """A waiting vLLM request as a ranking sees it (``arrival`` and ``sched``)."""
+
+    __slots__ = ("req", "arrival", "sched")
+
+    def __init__(self, req: Any, hint: Dict[str, Any]):
+        self.req = req
+        self.arrival = float(hint.get("arrival") or req.arrival_time)
+        self.sched = SchedInfo(expected_output=hint.get("expected_output"), expected_tool=hint.get("expected_tool"),
+                               expected_tool_s=hint.get("expected_tool_s"), objective=hint.get("objective"),
+                               task_group=hint.get("task_group"))
+
+    def refresh(self) -> None:
+        self.sched.context_len = self.req.num_tokens
+        self.sched.segment_generated = self.req.num_output_tokens
+
+
+def build_ranking(conf: Dict[str, Any]) -> RankingPolicy:
+    """The ranking named in the frontend's configuration, built as the
+    native engine's is (gateway/app.py ``load_engine``)."""
+    profile = Profile.from_dict(conf["profile"]) if conf.get("profile") else None
+    interception = make_interception(conf.get("interception", "preserve"), profile) if profile else None
+    return ObjectiveRanking(make_ranking(conf.get("ranking", "fcfs"), profile, interception,
+                                         starvation_threshold=int(conf.get("starvation_threshold", 100)),
+                                         refresh_interval=int(conf.get("refresh_interval", 1))))
+
+
+def request_hint(req: Any) -> Dict[str, Any]:
+    sp = getattr(req, "sampling_params", None)
+    extra = getattr(sp, "extra_args", None) or {}
+    return extra.get(CONFIG_KEY) or {}
+
+
+class InterlaceScheduler(Scheduler):
+    """vLLM's scheduler with Interlace's ranking ordering its waiting queue."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        extra = self.vllm_config.additional_config
+        conf = (extra.get(CONFIG_KEY) if isinstance(extra, dict) else None) or {}
+        self.ranking: RankingPolicy = build_ranking(conf)
+        self._items: Dict[str, _Item] = {}
+        self._iteration = 0
+        self.reordered_steps = 0  # steps whose waiting order the ranking changed (tests, logs)
+        log.info("Interlace ranking in vLLM's scheduler: %r", self.ranking)
+
+    # -------------------------------------------------------------- the queue
+    def _item(self, req: Any) -> _Item:
+        item = self._items.get(req.request_id)
+        if item is None or item.req is not req:
+            item = self._items[req.request_id] = _Item(req, request_hint(req))
+        item.refresh()
+        return item
+
+    def _rank_waiting(self) -> List[_Item]:
+        if self.policy.value != "fcfs" or len(self.waiting) < 2:
+            return [self._item(r) for r in self.waiting]
+        items = [self._item(r) for r in self.waiting]
+        ordered = self.ranking.order(items, RankState(iteration=self._iteration))
+        if [i.req for i in ordered] != list(self.waiting):
+            self.reordered_steps += 1
+            self.waiting.clear()
+            self.waiting.extend(i.req for i in ordered)
+        return ordered
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        self._iteration += 1
+        waiting = self._rank_waiting()
+        out = super().schedule(*args, **kwargs)
+        if waiting:
+            admitted = set(out.num_scheduled_tokens)
+            self.ranking.observe([i for i in waiting if i.req.request_id in admitted],
+                                 [i for i in waiting if i.req.request_id not in admitted])
+        return out
+
+    def finish_requests(self, request_ids: Any, finished_status: Any, *args: Any, **kwargs: Any):
+        out = super().finish_requests(request_ids, finished_status, *args, **kwargs)
+        for rid in ([request_ids] if isinstance(request_ids, str) else list(request_ids or ())):
+            self._items.pop(rid, None)
+        return out
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any):
+        self._items.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)
+
+
+def interlace_config(ranking: str = "fcfs", profile: Optional[Profile] = None, interception: str = "preserve",
+                     starvation_threshold: int = 100, refresh_interval: int = 1) -> Dict[str, Any]:
+    """What goes into ``additional_config["interlace"]`` (JSON-able: vLLM hashes it)."""
+    return {"ranking": ranking, "interception": interception, "starvation_threshold": starvation_threshold,
+            "refresh_interval": refresh_interval, "profile": profile.to_dict() if profile else None}
