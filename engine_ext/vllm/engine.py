@@ -1,130 +1,53 @@
-"""The engine protocol on vLLM's ``AsyncLLM`` (see the package docstring for
-which vLLM mechanism implements each call and what it cannot do).
-
-Threading.  ``AsyncLLM`` binds its output handler to the event loop it
-first runs in, while the gateway, tests and benchmarks may call an engine
-from several loops (one per ``asyncio.run``).  So, like the native engine's
-thread, this engine owns one loop in a thread of its own: every context
-lives there, public coroutines hand their work to it
-(``run_coroutine_threadsafe``) and streams come back through the caller's
-loop.  That also makes every state change single-threaded.
-"""
+"""The engine protocol on vLLM's ``AsyncLLM`` in process (see the package
+docstring for which vLLM mechanism implements each call and what it
+cannot do).  The context bookkeeping, text rules and pause/resume are
+:class:`~engine_ext.request_engine.RequestEngine`'s; this module opens
+vLLM requests, passes grammars as structured outputs and reads vLLM's
+scheduler stats."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
-import itertools
-import json
 import logging
 import os
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Dict, Hashable, List, Optional, Sequence, Set
+from typing import Any, AsyncIterator, Dict, List, Optional
 
 from .. import errors as E
-from ..protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
+from ..protocol import SamplingParams
+from ..request_engine import Chunk, RequestEngine, _unavailable
 
 log = logging.getLogger(__name__)
 
-_ids = itertools.count()
 
-
-def _unavailable(msg: str) -> E.EngineError:
-    cls = getattr(E, "EngineUnavailable", E.EngineClosed)
-    return cls(msg)
-
-
-@dataclass(eq=False)
-class _Gen:
-    """One ``generate`` stream: its sampling, text state and the vLLM request
-    decoding it now (a new one after every resume)."""
-
-    sampling: SamplingParams
-    emit: Any                              # thread-safe: a TokenEvent or an exception to the consumer
-    detok: Any
-    hint: Optional[RequestHint]
-    generated: List[int] = field(default_factory=list)
-    held: str = ""
-    tail: str = ""
-    paused: bool = False
-    done: bool = False
-    task: Optional[asyncio.Task] = None    # the segment decoding now (None while paused)
-    pause_hint: Optional[PauseHint] = None
-    grammar: Any = None                    # vLLM StructuredOutputsParams, from the gateway's grammar processor
-
-
-@dataclass(eq=False)
-class _Context:
-    id: Hashable
-    token_ids: List[int]
-    parent: Optional["_Context"] = None
-    children: Set["_Context"] = field(default_factory=set)
-    computed: int = 0                      # tokens a vLLM request has computed KV for (prefix-cache candidates)
-    gen: Optional[_Gen] = None
-    busy: int = 0                          # fills in flight
-    arrival: float = field(default_factory=time.time)
-    hint: Optional[RequestHint] = None
-    parked: Optional[PauseHint] = None
-    paused_at: Optional[float] = None
-
-    @property
-    def state(self) -> str:
-        if self.gen is None:
-            return "idle"
-        return "paused" if self.gen.paused else "generating"
-
-
-class VLLMEngine:
+class VLLMEngine(RequestEngine):
     """:class:`~engine_ext.protocol.Engine` over ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
-    def __init__(self, engine_args: Any, tokenizer: Any, *, name: str = "vllm", interception: Any = None,
-                 stat_window: int = 64):
+    def __init__(self, engine_args: Any, tokenizer: Any, *, name: str = "vllm", interception: Any = None):
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
 
-        self.name = name
-        self.tokenizer = tokenizer
-        self.interception = interception
-        self.contexts: Dict[Hashable, _Context] = {}
-        self._closed = False
-        self._dead: Optional[str] = None
-        self._stats: Dict[str, Any] = {}
-        self._loop = asyncio.new_event_loop()
-        started: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run_loop, args=(started,), name=f"interlace-{name}",
-                                        daemon=True)
-        self._thread.start()
-        started.result()
-
+        super().__init__(tokenizer, name=name, interception=interception)
         engine = self
 
-        class _Stats:  # a vLLM stat logger: keeps the last scheduler stats for stats() and routing
+        class InterlaceStats(StatLoggerBase):
+            """Keeps vLLM's last scheduler stats for stats() (routing, metrics)."""
+
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                engine._vllm_config = vllm_config
+                pass
 
             def record(self, scheduler_stats: Any = None, iteration_stats: Any = None, *a: Any, **k: Any) -> None:
                 if scheduler_stats is not None:
-                    engine._stats = {"kv_cache_usage": float(getattr(scheduler_stats, "kv_cache_usage", 0.0)),
-                                     "running": int(getattr(scheduler_stats, "num_running_reqs", 0)),
-                                     "waiting": int(getattr(scheduler_stats, "num_waiting_reqs", 0))}
+                    engine._stats = {"kv_cache_usage": float(scheduler_stats.kv_cache_usage),
+                                     "running": int(scheduler_stats.num_running_reqs),
+                                     "waiting": int(scheduler_stats.num_waiting_reqs)}
 
             def log_engine_initialized(self) -> None:
                 pass
 
-            def log(self) -> None:
-                pass
-
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        stats_cls = type("InterlaceStats", (_Stats, StatLoggerBase), {})
-
-        async def build():
-            return AsyncLLM.from_engine_args(engine_args, stat_loggers=[stats_cls])
+        async def build() -> Any:
+            return AsyncLLM.from_engine_args(engine_args, stat_loggers=[InterlaceStats])
         try:
-            self.llm = asyncio.run_coroutine_threadsafe(build(), self._loop).result()
+            self.llm = self._run(build())
         except BaseException:
             self._stop_loop()
             raise
@@ -133,255 +56,12 @@ class VLLMEngine:
         self.vocab_size = int(cfg.model_config.get_vocab_size())
         self.block_size = int(cfg.cache_config.block_size)
         self.num_blocks = int(getattr(cfg.cache_config, "num_gpu_blocks", 0) or 0)
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
 
-    # ================================================================ plumbing
-    def _run_loop(self, started: concurrent.futures.Future) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(started.set_result, None)
-        self._loop.run_forever()
-
-    def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise E.EngineClosed(f"the {self.name} engine is closed")
-        if self._dead is not None or self.llm.errored:
-            raise _unavailable(f"the {self.name} engine is gone: {self._dead or 'vLLM engine core died'}")
-
-    async def _call(self, coro: Any) -> Any:
-        """Run ``coro`` on the engine loop; a cancelled caller cancels it there."""
-        try:
-            self._check_open()
-        except BaseException:
-            coro.close()
-            raise
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
-
-    def _post(self, fn: Any) -> None:
-        if not self._closed and self._loop.is_running():
-            self._loop.call_soon_threadsafe(fn)
-
-    @property
-    def alive(self) -> bool:
-        return not self._closed and self._dead is None and not self.llm.errored
-
-    # ================================================================ public API
-    async def fill(self, context_id: Hashable, token_ids: Sequence[int],
-                   parent_context_id: Optional[Hashable] = None, hint: Optional[RequestHint] = None) -> int:
-        return await self._call(self._fill(context_id, list(token_ids), parent_context_id, hint))
-
-    async def generate(self, context_id: Hashable, sampling: Optional[SamplingParams] = None,
-                       parent_context_id: Optional[Hashable] = None,
-                       hint: Optional[RequestHint] = None) -> AsyncIterator[TokenEvent]:
-        sampling = sampling or SamplingParams()
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-
-        def emit(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the consumer's loop is gone
-                pass
-
-        gen = await self._call(self._start(context_id, sampling, parent_context_id, hint, emit))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._post(lambda: self._abort(context_id, gen))
-
-    async def free_context(self, context_id: Hashable) -> None:
-        await self._call(self._free(context_id))
-
-    def free_context_nowait(self, context_id: Hashable) -> None:
-        async def free():
-            with contextlib.suppress(E.EngineError):
-                await self._free(context_id)
-        self._post(lambda: self._loop.create_task(free()))
-
-    async def pause(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
-        await self._call(self._pause_cmd(context_id, hint))
-
-    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
-        await self._call(self._resume(context_id, list(token_ids)))
-
-    def set_pause_hint(self, context_id: Hashable, hint: PauseHint) -> None:
-        if not isinstance(hint, PauseHint):
-            raise TypeError(f"hint must be a PauseHint, got {type(hint).__name__}")
-
-        def apply() -> None:
-            ctx = self.contexts.get(context_id)
-            if ctx is not None and ctx.gen is not None:
-                ctx.gen.pause_hint = hint
-        self._post(apply)
-
-    def set_request_hint(self, context_id: Hashable, hint: RequestHint) -> None:
-        """Kept for the context's next vLLM request: a request already in
-        vLLM's queue keeps the hint it was submitted with."""
-        if not isinstance(hint, RequestHint):
-            raise TypeError(f"hint must be a RequestHint, got {type(hint).__name__}")
-        hint.validate()
-
-        def apply() -> None:
-            ctx = self.contexts.get(context_id)
-            if ctx is not None:
-                ctx.hint = hint
-        self._post(apply)
-
-    async def park(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
-        async def park() -> None:
-            ctx = self._get(context_id)
-            self._require_idle(ctx, "park")
-            ctx.parked = hint or PauseHint()
-        await self._call(park())
-
-    async def truncate(self, context_id: Hashable, num_tokens: int) -> int:
-        async def truncate() -> int:
-            ctx = self._get(context_id)
-            n = num_tokens
-            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(ctx.token_ids):
-                raise ValueError(f"num_tokens must be an integer in [0, {len(ctx.token_ids)}], got {n!r}")
-            self._require_idle(ctx, "truncate")
-            ctx.parked = None
-            del ctx.token_ids[n:]
-            ctx.computed = min(ctx.computed, n) // self.block_size * self.block_size
-            return ctx.computed
-        return await self._call(truncate())
-
-    async def computed_tokens(self, context_id: Hashable) -> int:
-        """Whole blocks of the context some vLLM request computed: what its
-        prefix cache can give a follow-up, unless evicted since (vLLM does
-        not say which blocks it still holds without a lookup)."""
-        async def computed() -> int:
-            return self._get(context_id).computed
-        return await self._call(computed())
-
-    async def context_tokens(self, context_id: Hashable) -> List[int]:
-        async def tokens() -> List[int]:
-            return list(self._get(context_id).token_ids)
-        return await self._call(tokens())
-
-    async def context_length(self, context_id: Hashable) -> int:
-        return len(await self.context_tokens(context_id))
-
-    def stats(self) -> Dict[str, Any]:
-        """KV usage and queue lengths from vLLM's last scheduler stats, and
-        the tokens this frontend has submitted that are not decoded yet."""
-        s = dict(self._stats)
-        total = self.num_blocks
-        queued = 0
-        for ctx in list(self.contexts.values()):
-            gen = ctx.gen
-            if gen is not None and not gen.paused and not gen.done:
-                queued += max(0, gen.sampling.max_tokens - len(gen.generated))
-        return {"kv_blocks_used": int(round(s.get("kv_cache_usage", 0.0) * total)), "kv_blocks_total": total,
-                "queued_tokens": queued, "running": s.get("running", 0), "waiting": s.get("waiting", 0),
-                "contexts": len(self.contexts)}
-
-    async def check_invariants(self) -> Dict[str, Any]:
-        async def check() -> Dict[str, Any]:
-            for c in self.contexts.values():
-                assert all(ch.parent is c and self.contexts.get(ch.id) is ch for ch in c.children)
-                assert c.computed <= len(c.token_ids)
-                assert c.gen is None or not c.gen.done
-            running = sum(1 for c in self.contexts.values() if c.gen is not None and c.gen.task is not None)
-            return {"contexts": len(self.contexts), "segments_running": running}
-        return await self._call(check())
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-
-        async def shutdown() -> None:
-            for ctx in list(self.contexts.values()):
-                if ctx.gen is not None and not ctx.gen.done:
-                    self._fail(ctx, E.EngineClosed(f"the {self.name} engine was closed"))
-            self.llm.shutdown()
-        try:
-            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=60)
-        except Exception as e:  # the engine core may be dead already: still stop our loop
-            log.warning("shutting down vLLM: %s", e)
-        self._stop_loop()
-
-    def __enter__(self) -> "VLLMEngine":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # ============================================================== on the loop
-    def _get(self, cid: Hashable) -> _Context:
-        ctx = self.contexts.get(cid)
-        if ctx is None:
-            raise E.ContextNotFound(cid)
-        return ctx
-
-    def _require_idle(self, ctx: _Context, what: str) -> None:
-        if ctx.state != "idle" or ctx.busy:
-            raise E.ContextBusy(f"context {ctx.id!r} is busy ({ctx.state}); {what} only idle contexts")
-
-    def _check_tokens(self, tokens: List[int], allow_empty: bool) -> None:
-        if not tokens and not allow_empty:
-            raise E.InvalidTokens("token_ids must not be empty")
-        bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise E.InvalidTokens(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]!r}")
-
-    def _check_len(self, n: int) -> None:
-        if n > self.max_model_len:
-            raise E.ContextTooLong(f"context of {n} tokens exceeds the model's limit of {self.max_model_len}")
-
-    def _new_context(self, cid: Hashable, parent_id: Optional[Hashable]) -> Optional[_Context]:
-        if parent_id is None:
-            return None
-        if cid in self.contexts:
-            raise E.ContextExists(f"context {cid!r} already exists; fork into a new id")
-        parent = self._get(parent_id)
-        if parent.state == "generating" or parent.busy:
-            raise E.ContextBusy(f"context {parent_id!r} is busy ({parent.state}); fork it when idle or paused")
-        return parent
-
-    def _fork(self, cid: Hashable, parent: _Context) -> _Context:
-        parent.parked = None
-        child = _Context(cid, list(parent.token_ids), parent=parent, computed=parent.computed)
-        parent.children.add(child)
-        self.contexts[cid] = child
-        return child
-
-    def _drop(self, ctx: _Context) -> None:
-        if ctx.parent is not None:
-            ctx.parent.children.discard(ctx)
-        self.contexts.pop(ctx.id, None)
-
-    def _vllm_params(self, ctx: _Context, sampling: SamplingParams, max_tokens: int,
-                     hint: Optional[RequestHint], grammar: Optional[Any] = None) -> Any:
+    async def _open(self, rid: str, prompt: List[int], sampling: SamplingParams, max_tokens: int,
+                    extra: Dict[str, Any], grammar: Any) -> AsyncIterator[Chunk]:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
-        extra: Dict[str, Any] = {"arrival": ctx.arrival}
-        h = ctx.hint or hint
-        if h is not None:
-            extra.update(expected_output=h.expected_output, expected_tool=h.expected_tool,
-                         expected_tool_s=h.expected_tool_s, objective=h.objective, task_group=h.task_group)
         kw: Dict[str, Any] = dict(
             max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k or 0, seed=sampling.seed, ignore_eos=sampling.ignore_eos,
@@ -390,290 +70,43 @@ class VLLMEngine:
             output_kind=RequestOutputKind.DELTA, extra_args={"interlace": extra})
         if grammar is not None:
             kw["structured_outputs"] = grammar
-        return VSP(**kw)
+        # arrival_time: a request resumed after a tool call keeps its job's place (InferCept's improved discard)
+        stream = self.llm.generate({"prompt_token_ids": prompt}, VSP(**kw), request_id=rid)
+        try:
+            async for out in stream:
+                o = out.outputs[0]
+                lps: List[Optional[float]] = []
+                if sampling.logprobs:
+                    for tok, entry in zip(o.token_ids, o.logprobs or []):
+                        lp = entry.get(tok) if entry else None
+                        lps.append(float(lp.logprob) if lp is not None else None)
+                yield Chunk(list(o.token_ids), lps, out.finished, o.finish_reason)
+        finally:
+            await stream.aclose()  # aborts the vLLM request if it is still running
 
     def _grammar(self, sampling: SamplingParams) -> Optional[Any]:
-        """vLLM runs grammars itself (structured outputs, llguidance
-        backend): a logits processor that carries its llguidance grammar
-        (the gateway's) becomes one; any other cannot cross into vLLM."""
-        procs = list(sampling.logits_processors)
-        if not procs:
+        """vLLM runs grammars itself (structured outputs, llguidance backend)."""
+        parts = self._grammar_parts(sampling)
+        if parts is None:
             return None
-        specs = [getattr(p, "spec", None) for p in procs]
-        if len(procs) > 1 or specs[0] is None:
-            raise E.InvalidSampling("the vLLM engine takes logits processors only as grammars (the gateway's "
-                                    "constrained decoding); arbitrary Python processors cannot run in vLLM")
         from vllm.sampling_params import StructuredOutputsParams
 
-        grammars = json.loads(specs[0]).get("grammars") or []
-        if len(grammars) == 1 and "json_schema" in grammars[0]:
-            return StructuredOutputsParams(json=grammars[0]["json_schema"])
-        if len(grammars) == 1 and "lark_grammar" in grammars[0]:
-            return StructuredOutputsParams(grammar=grammars[0]["lark_grammar"])
-        raise E.InvalidSampling("this grammar has several parts; the vLLM engine takes a Lark grammar or a JSON "
-                                "schema")
+        return StructuredOutputsParams(**parts)
 
-    async def _prefill(self, ctx: _Context, hint: Optional[RequestHint]) -> None:
-        """Compute the context's KV with a one-token request; vLLM's prefix
-        cache keeps its whole blocks for the forks and follow-ups that
-        extend it (Parrot's Fill, as a prefix-cache warm-up)."""
-        if ctx.computed >= len(ctx.token_ids) - len(ctx.token_ids) % self.block_size and ctx.computed:
-            return
-        rid = f"fill-{next(_ids)}"
-        params = self._vllm_params(ctx, SamplingParams(max_tokens=1), 1, hint)
-        tokens = list(ctx.token_ids)
-        async with contextlib.aclosing(self.llm.generate({"prompt_token_ids": tokens}, params,
-                                                         request_id=rid)) as stream:
-            async for _ in stream:
-                pass
-        if ctx.token_ids[:len(tokens)] == tokens:
-            ctx.computed = max(ctx.computed, len(tokens) // self.block_size * self.block_size)
+    async def _shutdown(self) -> None:
+        self.llm.shutdown()
 
-    async def _fill(self, cid: Hashable, tokens: List[int], parent_id: Optional[Hashable],
-                    hint: Optional[RequestHint]) -> int:
-        if hint is not None:
-            if not isinstance(hint, RequestHint):
-                raise E.InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
-            hint.validate()
-        ctx = self.contexts.get(cid)
-        created = parent_id is not None or ctx is None
-        if created:
-            parent = self._new_context(cid, parent_id)
-            self._check_tokens(tokens, allow_empty=parent is not None)
-            self._check_len((len(parent.token_ids) if parent else 0) + len(tokens))
-            ctx = self._fork(cid, parent) if parent else _Context(cid, [])
-            self.contexts[cid] = ctx
-        else:
-            if ctx.state != "idle":
-                raise E.ContextBusy(f"context {cid!r} is {ctx.state}; fill it when idle (or resume it)")
-            self._check_tokens(tokens, allow_empty=True)
-            self._check_len(len(ctx.token_ids) + len(tokens))
-        ctx.parked = None
-        if hint is not None:
-            ctx.hint = hint
-        start = len(ctx.token_ids)
-        ctx.token_ids += tokens
-        ctx.busy += 1
-        try:
-            await self._prefill(ctx, hint)
-        except asyncio.CancelledError:  # undo: the caller may retry
-            if self.contexts.get(cid) is ctx and ctx.gen is None and len(ctx.token_ids) == start + len(tokens):
-                if created and not ctx.children:
-                    self._drop(ctx)
-                else:
-                    del ctx.token_ids[start:]
-                    ctx.computed = min(ctx.computed, start)
-            raise
-        except Exception as e:
-            raise self._translate(e) from e
-        finally:
-            ctx.busy -= 1
-        return len(ctx.token_ids)
+    def _backend_failed(self) -> bool:
+        return bool(self.llm.errored)
 
-    async def _start(self, cid: Hashable, sampling: SamplingParams, parent_id: Optional[Hashable],
-                     hint: Optional[RequestHint], emit: Any) -> _Gen:
-        sampling.validate()
-        if hint is not None:
-            if not isinstance(hint, RequestHint):
-                raise E.InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
-            hint.validate()
-        grammar = self._grammar(sampling)
-        if parent_id is not None:
-            parent = self._new_context(cid, parent_id)
-            if not parent.token_ids:
-                raise E.InvalidContextState(f"context {parent_id!r} is empty")
-            ctx = None
-        else:
-            ctx = self._get(cid)
-            if ctx.state != "idle" or ctx.busy:
-                raise E.ContextBusy(f"context {cid!r} is already {ctx.state if ctx.state != 'idle' else 'filling'}")
-            parent = None
-        n = len((parent or ctx).token_ids)
-        if n >= self.max_model_len:
-            raise E.ContextTooLong(f"context of {n} tokens leaves no room to generate (limit {self.max_model_len})")
-        if ctx is None:
-            ctx = self._fork(cid, parent)
-        ctx.parked = None
-        if hint is not None:
-            ctx.hint = hint
-        from ..native.tokenizer import IncrementalDetokenizer
-
-        detok = IncrementalDetokenizer(self.tokenizer, ctx.token_ids, sampling.skip_special_tokens)
-        gen = ctx.gen = _Gen(sampling, emit, detok, hint, grammar=grammar)
-        gen.task = self._loop.create_task(self._segment(ctx, gen))
-        return gen
-
-    async def _segment(self, ctx: _Context, gen: _Gen) -> None:
-        """Decode with one vLLM request until the stream finishes or pauses."""
-        sp = gen.sampling
-        room = self.max_model_len - len(ctx.token_ids)
-        max_tokens = min(sp.max_tokens - len(gen.generated), room)
-        rid = f"{self.name}-{next(_ids)}"
-        params = self._vllm_params(ctx, sp, max_tokens, gen.hint, gen.grammar)
-        prompt = list(ctx.token_ids)
-        try:
-            async with contextlib.aclosing(self.llm.generate({"prompt_token_ids": prompt}, params,
-                                                             request_id=rid)) as stream:
-                async for out in stream:
-                    o = out.outputs[0]
-                    ctx.computed = max(ctx.computed, len(prompt) // self.block_size * self.block_size)
-                    lps = o.logprobs or []
-                    for i, tok in enumerate(o.token_ids):
-                        lp = None
-                        if sp.logprobs and i < len(lps) and lps[i]:
-                            entry = lps[i].get(tok)
-                            lp = float(entry.logprob) if entry is not None else None
-                        if self._on_token(ctx, gen, int(tok), lp):
-                            return  # finished or paused: aclosing aborts the vLLM request
-                    if out.finished and not gen.done and not gen.paused:
-                        # vLLM ended it (its length limit) before our own rules did
-                        self._finish(ctx, gen, "length" if o.finish_reason == "length" else "stop")
-                        return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            if not gen.done:
-                self._fail(ctx, self._translate(e))
-        finally:
-            if gen.task is asyncio.current_task():
-                gen.task = None
-
-    def _translate(self, e: BaseException) -> BaseException:
-        if isinstance(e, E.EngineError):
-            return e
+    def _backend_error(self, e: BaseException) -> Optional[E.EngineError]:
         name = type(e).__name__
-        if name in ("EngineDeadError", "EngineGenerateError") or self.llm.errored:
+        if name in ("EngineDeadError",) or self.llm.errored:
             self._dead = f"{name}: {e}"
             return _unavailable(f"the {self.name} engine failed: {name}: {e}")
-        if name in ("VLLMValidationError", "ValueError"):
+        if name in ("VLLMValidationError",) or isinstance(e, ValueError):
             return E.InvalidSampling(f"vLLM refused the request: {e}")
-        return E.EngineError(f"vLLM: {name}: {e}")
-
-    def _on_token(self, ctx: _Context, gen: _Gen, tok: int, lp: Optional[float]) -> bool:
-        """The native engine's per-token rules (EOS, stop strings held back,
-        max_tokens, pause strings); True when this stream segment ends."""
-        from ..native.engine import _held_suffix
-
-        sp = gen.sampling
-        ctx.token_ids.append(tok)
-        gen.generated.append(tok)
-        is_eos = (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids
-        delta = gen.detok.add(tok) if not is_eos else ""
-        text = gen.held + delta
-        gen.held = ""
-        finish = "stop" if is_eos else None
-        by_string = False
-        if finish is None and sp.stop:
-            hits = [(text.find(s), s) for s in sp.stop if s in text]
-            if hits:
-                text, finish, by_string = text[:min(hits)[0]], "stop", True
-            else:
-                keep = _held_suffix(text, sp.stop)
-                if keep:
-                    text, gen.held = text[:-keep], text[-keep:]
-        if finish is None and (len(gen.generated) >= sp.max_tokens or len(ctx.token_ids) >= self.max_model_len):
-            finish = "length"
-        if finish is not None:
-            if not by_string:
-                text += gen.held + gen.detok.flush()
-            self._finish(ctx, gen, finish, TokenEvent(tok, text, lp, finish))
-            return True
-        if sp.pause_on:
-            window = gen.tail + delta
-            hit = any(s in window and window.rfind(s) + len(s) > len(gen.tail) for s in sp.pause_on)
-            gen.tail = window[-max(len(s) for s in sp.pause_on):]
-            if hit:
-                hint, gen.pause_hint = gen.pause_hint or PauseHint(), None
-                self._pause(ctx, gen, hint, TokenEvent(tok, text, lp))
-                return True
-        gen.emit(TokenEvent(tok, text, lp))
-        return False
-
-    def _finish(self, ctx: _Context, gen: _Gen, reason: str, event: Optional[TokenEvent] = None,
-                emit: bool = True) -> None:
-        gen.done = True
-        if ctx.gen is gen:
-            ctx.gen = None
-        if gen.paused and ctx.paused_at is not None:
-            self._observe_tool(ctx, gen)
-        if emit:
-            gen.emit(event or TokenEvent(None, "", None, reason))
-
-    def _fail(self, ctx: _Context, err: BaseException) -> None:
-        gen = ctx.gen
-        if gen is None or gen.done:
-            return
-        gen.done = True
-        ctx.gen = None
-        if gen.task is not None and gen.task is not asyncio.current_task():
-            gen.task.cancel()
-        gen.emit(err)
-
-    def _pause(self, ctx: _Context, gen: _Gen, hint: PauseHint, event: Optional[TokenEvent] = None) -> None:
-        """Intercept: the vLLM request ends (aborted, its blocks go back to
-        the pool with their prefix-cache hashes) and the stream waits."""
-        gen.paused = True
-        gen.pause_hint = hint
-        ctx.paused_at = time.monotonic()
-        ev = event or TokenEvent(None, "")
-        text, gen.held = ev.text + gen.held, ""
-        gen.emit(TokenEvent(ev.token_id, text, ev.logprob, None, paused=True))
-
-    def _observe_tool(self, ctx: _Context, gen: _Gen) -> None:
-        durations = getattr(self.interception, "durations", None)
-        if durations is not None and ctx.paused_at is not None:
-            durations.observe((gen.pause_hint or PauseHint()).tool, time.monotonic() - ctx.paused_at)
-        ctx.paused_at = None
-
-    async def _pause_cmd(self, cid: Hashable, hint: Optional[PauseHint]) -> None:
-        ctx = self._get(cid)
-        gen = ctx.gen
-        if gen is None or gen.paused:
-            raise E.InvalidContextState(f"context {cid!r} is {ctx.state}, not generating")
-        task, gen.task = gen.task, None
-        self._pause(ctx, gen, hint or PauseHint())
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _resume(self, cid: Hashable, tokens: List[int]) -> None:
-        ctx = self._get(cid)
-        gen = ctx.gen
-        if gen is None or not gen.paused:
-            raise E.InvalidContextState(f"context {cid!r} is {ctx.state}, not paused")
-        self._check_tokens(tokens, allow_empty=True)
-        self._check_len(len(ctx.token_ids) + len(tokens) + 1)
-        self._observe_tool(ctx, gen)
-        ctx.token_ids += tokens
-        gen.paused = False
-        gen.detok.reset_context(ctx.token_ids)
-        gen.tail = gen.held = ""
-        gen.task = self._loop.create_task(self._segment(ctx, gen))
-
-    def _abort(self, cid: Hashable, gen: _Gen) -> None:
-        ctx = self.contexts.get(cid)
-        if ctx is None or ctx.gen is not gen or gen.done:
-            return
-        task, gen.task = gen.task, None
-        self._finish(ctx, gen, "abort", emit=False)
-        if task is not None:
-            task.cancel()
-
-    async def _free(self, cid: Hashable) -> None:
-        ctx = self._get(cid)
-        live = [c.id for c in ctx.children]
-        if live:
-            raise E.ContextHasChildren(f"context {cid!r} has live forked children {live[:5]!r}; free them first")
-        gen = ctx.gen
-        if gen is not None:
-            task, gen.task = gen.task, None
-            self._finish(ctx, gen, "abort")
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._drop(ctx)
+        return None
 
 
 def _resolve_model(model: str) -> str:

@@ -1,0 +1,679 @@
+"""The engine protocol over an engine that only knows *requests* (vLLM's
+``AsyncLLM`` in process, or an OpenAI-compatible server over HTTP).
+
+Contexts are kept here: a token list per context id, its parent and
+children, and the generation running in it.  Every fill, decode and resume
+is a request over the context's whole token list, and the backend's
+automatic prefix cache finds the KV an earlier request computed.  Text is
+Interlace's: this class detokenizes with the model's tokenizer and applies
+the native engine's per-token rules (EOS, stop strings held back,
+``pause_on``, max_tokens), so streams read the same on every engine.  A
+pause ends the backend request (Discard with prefix reuse); ``resume``
+starts a new one over context + tool result.  Subclasses say how to open a
+request stream (:meth:`RequestEngine._open`), how to pass a grammar and how
+to shut down.
+
+Threading.  ``AsyncLLM`` binds its output handler to the event loop it
+first runs in, while the gateway, tests and benchmarks may call an engine
+from several loops (one per ``asyncio.run``).  So, like the native engine's
+thread, this engine owns one loop in a thread of its own: every context
+lives there, public coroutines hand their work to it
+(``run_coroutine_threadsafe``) and streams come back through the caller's
+loop.  That also makes every state change single-threaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, Hashable, List, Optional, Sequence, Set
+
+from . import errors as E
+from .protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count()
+
+
+def _unavailable(msg: str) -> E.EngineError:
+    cls = getattr(E, "EngineUnavailable", E.EngineClosed)
+    return cls(msg)
+
+
+@dataclass(eq=False)
+class _Gen:
+    """One ``generate`` stream: its sampling, text state and the vLLM request
+    decoding it now (a new one after every resume)."""
+
+    sampling: SamplingParams
+    emit: Any                              # thread-safe: a TokenEvent or an exception to the consumer
+    detok: Any
+    hint: Optional[RequestHint]
+    generated: List[int] = field(default_factory=list)
+    held: str = ""
+    tail: str = ""
+    paused: bool = False
+    done: bool = False
+    task: Optional[asyncio.Task] = None    # the segment decoding now (None while paused)
+    pause_hint: Optional[PauseHint] = None
+    grammar: Any = None                    # the backend's form of the gateway's grammar processor
+
+
+@dataclass(eq=False)
+class _Context:
+    id: Hashable
+    token_ids: List[int]
+    parent: Optional["_Context"] = None
+    children: Set["_Context"] = field(default_factory=set)
+    computed: int = 0                      # tokens a vLLM request has computed KV for (prefix-cache candidates)
+    gen: Optional[_Gen] = None
+    busy: int = 0                          # fills in flight
+    arrival: float = field(default_factory=time.time)
+    hint: Optional[RequestHint] = None
+    parked: Optional[PauseHint] = None
+    paused_at: Optional[float] = None
+
+    @property
+    def state(self) -> str:
+        if self.gen is None:
+            return "idle"
+        return "paused" if self.gen.paused else "generating"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What a backend request stream yields: the tokens decoded since the
+    last chunk (with their logprobs when asked), and whether the backend
+    ended the request itself (``finish_reason`` "length" or "stop")."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[Optional[float]] = ()
+    finished: bool = False
+    finish_reason: Optional[str] = None
+
+
+class RequestEngine:
+    """:class:`~engine_ext.protocol.Engine` over a request-level backend.
+
+    Subclasses implement :meth:`_open` (and :meth:`_grammar`,
+    :meth:`_shutdown`, :meth:`_backend_failed`) and set ``max_model_len``,
+    ``vocab_size``, ``block_size`` and ``num_blocks`` once started."""
+
+    max_model_len: int
+    vocab_size: int
+    block_size: int = 16
+    num_blocks: int = 0
+
+    def __init__(self, tokenizer: Any, *, name: str, interception: Any = None):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.interception = interception
+        self.contexts: Dict[Hashable, _Context] = {}
+        self._closed = False
+        self._dead: Optional[str] = None
+        self._stats: Dict[str, Any] = {}
+        self._loop = asyncio.new_event_loop()
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run_loop, args=(started,), name=f"interlace-{name}",
+                                        daemon=True)
+        self._thread.start()
+        started.result()
+
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+
+    # ================================================================ plumbing
+    def _run_loop(self, started: concurrent.futures.Future) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(started.set_result, None)
+        self._loop.run_forever()
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise E.EngineClosed(f"the {self.name} engine is closed")
+        if self._dead is not None or self._backend_failed():
+            raise _unavailable(f"the {self.name} engine is gone: {self._dead or 'its backend failed'}")
+
+    async def _call(self, coro: Any) -> Any:
+        """Run ``coro`` on the engine loop; a cancelled caller cancels it there."""
+        try:
+            self._check_open()
+        except BaseException:
+            coro.close()
+            raise
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+
+    def _post(self, fn: Any) -> None:
+        if not self._closed and self._loop.is_running():
+            self._loop.call_soon_threadsafe(fn)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._dead is None and not self._backend_failed()
+
+    # ================================================================ public API
+    async def fill(self, context_id: Hashable, token_ids: Sequence[int],
+                   parent_context_id: Optional[Hashable] = None, hint: Optional[RequestHint] = None) -> int:
+        return await self._call(self._fill(context_id, list(token_ids), parent_context_id, hint))
+
+    async def generate(self, context_id: Hashable, sampling: Optional[SamplingParams] = None,
+                       parent_context_id: Optional[Hashable] = None,
+                       hint: Optional[RequestHint] = None) -> AsyncIterator[TokenEvent]:
+        sampling = sampling or SamplingParams()
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def emit(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is gone
+                pass
+
+        gen = await self._call(self._start(context_id, sampling, parent_context_id, hint, emit))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._post(lambda: self._abort(context_id, gen))
+
+    async def free_context(self, context_id: Hashable) -> None:
+        await self._call(self._free(context_id))
+
+    def free_context_nowait(self, context_id: Hashable) -> None:
+        async def free():
+            with contextlib.suppress(E.EngineError):
+                await self._free(context_id)
+        self._post(lambda: self._loop.create_task(free()))
+
+    async def pause(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
+        await self._call(self._pause_cmd(context_id, hint))
+
+    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
+        await self._call(self._resume(context_id, list(token_ids)))
+
+    def set_pause_hint(self, context_id: Hashable, hint: PauseHint) -> None:
+        if not isinstance(hint, PauseHint):
+            raise TypeError(f"hint must be a PauseHint, got {type(hint).__name__}")
+
+        def apply() -> None:
+            ctx = self.contexts.get(context_id)
+            if ctx is not None and ctx.gen is not None:
+                ctx.gen.pause_hint = hint
+        self._post(apply)
+
+    def set_request_hint(self, context_id: Hashable, hint: RequestHint) -> None:
+        """Kept for the context's next backend request: one already queued
+        keeps the hint it was submitted with."""
+        if not isinstance(hint, RequestHint):
+            raise TypeError(f"hint must be a RequestHint, got {type(hint).__name__}")
+        hint.validate()
+
+        def apply() -> None:
+            ctx = self.contexts.get(context_id)
+            if ctx is not None:
+                ctx.hint = hint
+        self._post(apply)
+
+    async def park(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
+        async def park() -> None:
+            ctx = self._get(context_id)
+            self._require_idle(ctx, "park")
+            ctx.parked = hint or PauseHint()
+        await self._call(park())
+
+    async def truncate(self, context_id: Hashable, num_tokens: int) -> int:
+        async def truncate() -> int:
+            ctx = self._get(context_id)
+            n = num_tokens
+            if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= len(ctx.token_ids):
+                raise ValueError(f"num_tokens must be an integer in [0, {len(ctx.token_ids)}], got {n!r}")
+            self._require_idle(ctx, "truncate")
+            ctx.parked = None
+            del ctx.token_ids[n:]
+            ctx.computed = min(ctx.computed, n) // self.block_size * self.block_size
+            return ctx.computed
+        return await self._call(truncate())
+
+    async def computed_tokens(self, context_id: Hashable) -> int:
+        """Whole blocks of the context some backend request computed: what
+        its prefix cache can give a follow-up, unless evicted since (the
+        backend does not say which blocks it still holds)."""
+        async def computed() -> int:
+            return self._get(context_id).computed
+        return await self._call(computed())
+
+    async def context_tokens(self, context_id: Hashable) -> List[int]:
+        async def tokens() -> List[int]:
+            return list(self._get(context_id).token_ids)
+        return await self._call(tokens())
+
+    async def context_length(self, context_id: Hashable) -> int:
+        return len(await self.context_tokens(context_id))
+
+    def stats(self) -> Dict[str, Any]:
+        """KV usage and queue lengths from the backend's last stats, and the
+        tokens this frontend has asked for that are not decoded yet."""
+        s = dict(self._stats)
+        total = self.num_blocks
+        queued = 0
+        for ctx in list(self.contexts.values()):
+            gen = ctx.gen
+            if gen is not None and not gen.paused and not gen.done:
+                queued += max(0, gen.sampling.max_tokens - len(gen.generated))
+        return {"kv_blocks_used": int(round(s.get("kv_cache_usage", 0.0) * total)), "kv_blocks_total": total,
+                "queued_tokens": queued, "running": s.get("running", 0), "waiting": s.get("waiting", 0),
+                "contexts": len(self.contexts)}
+
+    async def check_invariants(self) -> Dict[str, Any]:
+        async def check() -> Dict[str, Any]:
+            for c in self.contexts.values():
+                assert all(ch.parent is c and self.contexts.get(ch.id) is ch for ch in c.children)
+                assert c.computed <= len(c.token_ids)
+                assert c.gen is None or not c.gen.done
+            running = sum(1 for c in self.contexts.values() if c.gen is not None and c.gen.task is not None)
+            return {"contexts": len(self.contexts), "segments_running": running}
+        return await self._call(check())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown() -> None:
+            for ctx in list(self.contexts.values()):
+                if ctx.gen is not None and not ctx.gen.done:
+                    self._fail(ctx, E.EngineClosed(f"the {self.name} engine was closed"))
+            await self._shutdown()
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=60)
+        except Exception as e:  # the engine core may be dead already: still stop our loop
+            log.warning("shutting down vLLM: %s", e)
+        self._stop_loop()
+
+    def __enter__(self) -> "RequestEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ============================================================== on the loop
+    def _get(self, cid: Hashable) -> _Context:
+        ctx = self.contexts.get(cid)
+        if ctx is None:
+            raise E.ContextNotFound(cid)
+        return ctx
+
+    def _require_idle(self, ctx: _Context, what: str) -> None:
+        if ctx.state != "idle" or ctx.busy:
+            raise E.ContextBusy(f"context {ctx.id!r} is busy ({ctx.state}); {what} only idle contexts")
+
+    def _check_tokens(self, tokens: List[int], allow_empty: bool) -> None:
+        if not tokens and not allow_empty:
+            raise E.InvalidTokens("token_ids must not be empty")
+        bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise E.InvalidTokens(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]!r}")
+
+    def _check_len(self, n: int) -> None:
+        if n > self.max_model_len:
+            raise E.ContextTooLong(f"context of {n} tokens exceeds the model's limit of {self.max_model_len}")
+
+    def _new_context(self, cid: Hashable, parent_id: Optional[Hashable]) -> Optional[_Context]:
+        if parent_id is None:
+            return None
+        if cid in self.contexts:
+            raise E.ContextExists(f"context {cid!r} already exists; fork into a new id")
+        parent = self._get(parent_id)
+        if parent.state == "generating" or parent.busy:
+            raise E.ContextBusy(f"context {parent_id!r} is busy ({parent.state}); fork it when idle or paused")
+        return parent
+
+    def _fork(self, cid: Hashable, parent: _Context) -> _Context:
+        parent.parked = None
+        child = _Context(cid, list(parent.token_ids), parent=parent, computed=parent.computed)
+        parent.children.add(child)
+        self.contexts[cid] = child
+        return child
+
+    def _drop(self, ctx: _Context) -> None:
+        if ctx.parent is not None:
+            ctx.parent.children.discard(ctx)
+        self.contexts.pop(ctx.id, None)
+
+    # ----------------------------------------------------------- the backend
+    def _run(self, coro: Any, timeout: Optional[float] = None) -> Any:
+        """Run ``coro`` on the engine loop from another thread (start-up)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _open(self, rid: str, prompt: List[int], sampling: SamplingParams, max_tokens: int,
+              extra: Dict[str, Any], grammar: Any) -> AsyncIterator[Chunk]:
+        """Start a request decoding up to ``max_tokens`` after ``prompt``;
+        closing the returned iterator aborts it.  ``extra`` is what the
+        backend's scheduler may read (the job's arrival, the RequestHint)."""
+        raise NotImplementedError
+
+    def _grammar(self, sampling: SamplingParams) -> Any:
+        """The backend's form of the sampling's grammar (None: no processors)."""
+        if sampling.logits_processors:
+            raise E.InvalidSampling(f"the {self.name} engine cannot take logits processors")
+        return None
+
+    async def _shutdown(self) -> None:
+        pass
+
+    def _backend_failed(self) -> bool:
+        return False
+
+    def _backend_error(self, e: BaseException) -> Optional[E.EngineError]:
+        """A typed error for a backend exception (None: not a known kind)."""
+        return None
+
+    @staticmethod
+    def _grammar_parts(sampling: SamplingParams) -> Optional[Dict[str, Any]]:
+        """The gateway's grammar processor as ``{"json": schema}`` or
+        ``{"grammar": lark}`` (its llguidance spec); other processors
+        cannot run in a backend that samples by itself."""
+        procs = list(sampling.logits_processors)
+        if not procs:
+            return None
+        specs = [getattr(p, "spec", None) for p in procs]
+        if len(procs) > 1 or specs[0] is None:
+            raise E.InvalidSampling("this engine takes logits processors only as grammars (the gateway's "
+                                    "constrained decoding); arbitrary Python processors cannot run in it")
+        grammars = json.loads(specs[0]).get("grammars") or []
+        if len(grammars) == 1 and "json_schema" in grammars[0]:
+            return {"json": grammars[0]["json_schema"]}
+        if len(grammars) == 1 and "lark_grammar" in grammars[0]:
+            return {"grammar": grammars[0]["lark_grammar"]}
+        raise E.InvalidSampling("this grammar has several parts; the engine takes a Lark grammar or a JSON schema")
+
+    @staticmethod
+    def _extra(ctx: "_Context", hint: Optional[RequestHint]) -> Dict[str, Any]:
+        extra: Dict[str, Any] = {"arrival": ctx.arrival}
+        h = ctx.hint or hint
+        if h is not None:
+            extra.update(expected_output=h.expected_output, expected_tool=h.expected_tool,
+                         expected_tool_s=h.expected_tool_s, objective=h.objective, task_group=h.task_group)
+        return extra
+
+    async def _prefill(self, ctx: _Context, hint: Optional[RequestHint]) -> None:
+        """Compute the context's KV with a one-token request; vLLM's prefix
+        cache keeps its whole blocks for the forks and follow-ups that
+        extend it (Parrot's Fill, as a prefix-cache warm-up)."""
+        if ctx.computed >= len(ctx.token_ids) - len(ctx.token_ids) % self.block_size and ctx.computed:
+            return
+        rid = f"{self.name}-fill-{next(_ids)}"
+        tokens = list(ctx.token_ids)
+        async with contextlib.aclosing(self._open(rid, tokens, SamplingParams(max_tokens=1), 1,
+                                                  self._extra(ctx, hint), None)) as stream:
+            async for _ in stream:
+                pass
+        if ctx.token_ids[:len(tokens)] == tokens:
+            ctx.computed = max(ctx.computed, len(tokens) // self.block_size * self.block_size)
+
+    async def _fill(self, cid: Hashable, tokens: List[int], parent_id: Optional[Hashable],
+                    hint: Optional[RequestHint]) -> int:
+        if hint is not None:
+            if not isinstance(hint, RequestHint):
+                raise E.InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
+            hint.validate()
+        ctx = self.contexts.get(cid)
+        created = parent_id is not None or ctx is None
+        if created:
+            parent = self._new_context(cid, parent_id)
+            self._check_tokens(tokens, allow_empty=parent is not None)
+            self._check_len((len(parent.token_ids) if parent else 0) + len(tokens))
+            ctx = self._fork(cid, parent) if parent else _Context(cid, [])
+            self.contexts[cid] = ctx
+        else:
+            if ctx.state != "idle":
+                raise E.ContextBusy(f"context {cid!r} is {ctx.state}; fill it when idle (or resume it)")
+            self._check_tokens(tokens, allow_empty=True)
+            self._check_len(len(ctx.token_ids) + len(tokens))
+        ctx.parked = None
+        if hint is not None:
+            ctx.hint = hint
+        start = len(ctx.token_ids)
+        ctx.token_ids += tokens
+        ctx.busy += 1
+        try:
+            await self._prefill(ctx, hint)
+        except asyncio.CancelledError:  # undo: the caller may retry
+            if self.contexts.get(cid) is ctx and ctx.gen is None and len(ctx.token_ids) == start + len(tokens):
+                if created and not ctx.children:
+                    self._drop(ctx)
+                else:
+                    del ctx.token_ids[start:]
+                    ctx.computed = min(ctx.computed, start)
+            raise
+        except Exception as e:
+            raise self._translate(e) from e
+        finally:
+            ctx.busy -= 1
+        return len(ctx.token_ids)
+
+    async def _start(self, cid: Hashable, sampling: SamplingParams, parent_id: Optional[Hashable],
+                     hint: Optional[RequestHint], emit: Any) -> _Gen:
+        sampling.validate()
+        if hint is not None:
+            if not isinstance(hint, RequestHint):
+                raise E.InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
+            hint.validate()
+        grammar = self._grammar(sampling)
+        if parent_id is not None:
+            parent = self._new_context(cid, parent_id)
+            if not parent.token_ids:
+                raise E.InvalidContextState(f"context {parent_id!r} is empty")
+            ctx = None
+        else:
+            ctx = self._get(cid)
+            if ctx.state != "idle" or ctx.busy:
+                raise E.ContextBusy(f"context {cid!r} is already {ctx.state if ctx.state != 'idle' else 'filling'}")
+            parent = None
+        n = len((parent or ctx).token_ids)
+        if n >= self.max_model_len:
+            raise E.ContextTooLong(f"context of {n} tokens leaves no room to generate (limit {self.max_model_len})")
+        if ctx is None:
+            ctx = self._fork(cid, parent)
+        ctx.parked = None
+        if hint is not None:
+            ctx.hint = hint
+        from .native.tokenizer import IncrementalDetokenizer
+
+        detok = IncrementalDetokenizer(self.tokenizer, ctx.token_ids, sampling.skip_special_tokens)
+        gen = ctx.gen = _Gen(sampling, emit, detok, hint, grammar=grammar)
+        gen.task = self._loop.create_task(self._segment(ctx, gen))
+        return gen
+
+    async def _segment(self, ctx: _Context, gen: _Gen) -> None:
+        """Decode with one vLLM request until the stream finishes or pauses."""
+        sp = gen.sampling
+        room = self.max_model_len - len(ctx.token_ids)
+        max_tokens = min(sp.max_tokens - len(gen.generated), room)
+        rid = f"{self.name}-{next(_ids)}"
+        prompt = list(ctx.token_ids)
+        try:
+            async with contextlib.aclosing(self._open(rid, prompt, sp, max_tokens, self._extra(ctx, gen.hint),
+                                                      gen.grammar)) as stream:
+                async for chunk in stream:
+                    ctx.computed = max(ctx.computed, len(prompt) // self.block_size * self.block_size)
+                    lps = chunk.logprobs
+                    for i, tok in enumerate(chunk.token_ids):
+                        lp = lps[i] if sp.logprobs and i < len(lps) else None
+                        if self._on_token(ctx, gen, int(tok), lp):
+                            return  # finished or paused: aclosing aborts the backend request
+                    if chunk.finished and not gen.done and not gen.paused:
+                        # the backend ended it (its length limit) before our own rules did
+                        self._finish(ctx, gen, "length" if chunk.finish_reason == "length" else "stop")
+                        return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not gen.done:
+                self._fail(ctx, self._translate(e))
+        finally:
+            if gen.task is asyncio.current_task():
+                gen.task = None
+
+    def _translate(self, e: BaseException) -> BaseException:
+        if isinstance(e, E.EngineError):
+            return e
+        typed = self._backend_error(e)
+        if typed is not None:
+            return typed
+        if self._backend_failed():
+            self._dead = f"{type(e).__name__}: {e}"
+            return _unavailable(f"the {self.name} engine failed: {type(e).__name__}: {e}")
+        return E.EngineError(f"{self.name}: {type(e).__name__}: {e}")
+
+    def _on_token(self, ctx: _Context, gen: _Gen, tok: int, lp: Optional[float]) -> bool:
+        """The native engine's per-token rules (EOS, stop strings held back,
+        max_tokens, pause strings); True when this stream segment ends."""
+        from .native.engine import _held_suffix
+
+        sp = gen.sampling
+        ctx.token_ids.append(tok)
+        gen.generated.append(tok)
+        is_eos = (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids
+        delta = gen.detok.add(tok) if not is_eos else ""
+        text = gen.held + delta
+        gen.held = ""
+        finish = "stop" if is_eos else None
+        by_string = False
+        if finish is None and sp.stop:
+            hits = [(text.find(s), s) for s in sp.stop if s in text]
+            if hits:
+                text, finish, by_string = text[:min(hits)[0]], "stop", True
+            else:
+                keep = _held_suffix(text, sp.stop)
+                if keep:
+                    text, gen.held = text[:-keep], text[-keep:]
+        if finish is None and (len(gen.generated) >= sp.max_tokens or len(ctx.token_ids) >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            if not by_string:
+                text += gen.held + gen.detok.flush()
+            self._finish(ctx, gen, finish, TokenEvent(tok, text, lp, finish))
+            return True
+        if sp.pause_on:
+            window = gen.tail + delta
+            hit = any(s in window and window.rfind(s) + len(s) > len(gen.tail) for s in sp.pause_on)
+            gen.tail = window[-max(len(s) for s in sp.pause_on):]
+            if hit:
+                hint, gen.pause_hint = gen.pause_hint or PauseHint(), None
+                self._pause(ctx, gen, hint, TokenEvent(tok, text, lp))
+                return True
+        gen.emit(TokenEvent(tok, text, lp))
+        return False
+
+    def _finish(self, ctx: _Context, gen: _Gen, reason: str, event: Optional[TokenEvent] = None,
+                emit: bool = True) -> None:
+        gen.done = True
+        if ctx.gen is gen:
+            ctx.gen = None
+        if gen.paused and ctx.paused_at is not None:
+            self._observe_tool(ctx, gen)
+        if emit:
+            gen.emit(event or TokenEvent(None, "", None, reason))
+
+    def _fail(self, ctx: _Context, err: BaseException) -> None:
+        gen = ctx.gen
+        if gen is None or gen.done:
+            return
+        gen.done = True
+        ctx.gen = None
+        if gen.task is not None and gen.task is not asyncio.current_task():
+            gen.task.cancel()
+        gen.emit(err)
+
+    def _pause(self, ctx: _Context, gen: _Gen, hint: PauseHint, event: Optional[TokenEvent] = None) -> None:
+        """Intercept: the backend request ends (aborted, its blocks go back
+        to the pool with their prefix-cache hashes) and the stream waits."""
+        gen.paused = True
+        gen.pause_hint = hint
+        ctx.paused_at = time.monotonic()
+        ev = event or TokenEvent(None, "")
+        text, gen.held = ev.text + gen.held, ""
+        gen.emit(TokenEvent(ev.token_id, text, ev.logprob, None, paused=True))
+
+    def _observe_tool(self, ctx: _Context, gen: _Gen) -> None:
+        durations = getattr(self.interception, "durations", None)
+        if durations is not None and ctx.paused_at is not None:
+            durations.observe((gen.pause_hint or PauseHint()).tool, time.monotonic() - ctx.paused_at)
+        ctx.paused_at = None
+
+    async def _pause_cmd(self, cid: Hashable, hint: Optional[PauseHint]) -> None:
+        ctx = self._get(cid)
+        gen = ctx.gen
+        if gen is None or gen.paused:
+            raise E.InvalidContextState(f"context {cid!r} is {ctx.state}, not generating")
+        task, gen.task = gen.task, None
+        self._pause(ctx, gen, hint or PauseHint())
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _resume(self, cid: Hashable, tokens: List[int]) -> None:
+        ctx = self._get(cid)
+        gen = ctx.gen
+        if gen is None or not gen.paused:
+            raise E.InvalidContextState(f"context {cid!r} is {ctx.state}, not paused")
+        self._check_tokens(tokens, allow_empty=True)
+        self._check_len(len(ctx.token_ids) + len(tokens) + 1)
+        self._observe_tool(ctx, gen)
+        ctx.token_ids += tokens
+        gen.paused = False
+        gen.detok.reset_context(ctx.token_ids)
+        gen.tail = gen.held = ""
+        gen.task = self._loop.create_task(self._segment(ctx, gen))
+
+    def _abort(self, cid: Hashable, gen: _Gen) -> None:
+        ctx = self.contexts.get(cid)
+        if ctx is None or ctx.gen is not gen or gen.done:
+            return
+        task, gen.task = gen.task, None
+        self._finish(ctx, gen, "abort", emit=False)
+        if task is not None:
+            task.cancel()
+
+    async def _free(self, cid: Hashable) -> None:
+        ctx = self._get(cid)
+        live = [c.id for c in ctx.children]
+        if live:
+            raise E.ContextHasChildren(f"context {cid!r} has live forked children {live[:5]!r}; free them first")
+        gen = ctx.gen
+        if gen is not None:
+            task, gen.task = gen.task, None
+            self._finish(ctx, gen, "abort")
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._drop(ctx)
