@@ -64,3 +64,9 @@ class InvalidContextState(EngineError):
 class KVCacheExhausted(EngineError):
     """The KV cache is held by idle or paused contexts and nothing running can
     be preempted to make room: free some contexts."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine replica serving this context is gone, or no replica is
+    available for a new context (:class:`~interlace.engine_ext.replicas.ReplicaSet`);
+    retry: a new request goes to a live replica."""

@@ -331,6 +331,29 @@ class NativeEngine:
             self._fail_queued()
         return fut.result()
 
+    def load_stats(self) -> Dict[str, int]:
+        """The engine's load now, read without waiting for the engine thread
+        (a snapshot that may be a step old; for metrics and replica routing):
+        KV blocks in use and in all, ``queued_tokens`` (tokens of active
+        contexts still to compute: prefill chunks and next decodes),
+        ``running`` (contexts generating, not paused), ``waiting`` (active
+        contexts with tokens to compute that are not generating: fills) and
+        ``contexts``.  (Named so because ``stats`` is the dict of counters.)"""
+        for _ in range(3):
+            try:
+                active = list(self.scheduler.active)
+                contexts = list(self.contexts.values())
+                break
+            except RuntimeError:  # changed size while copied by the engine thread: again
+                continue
+        else:
+            active, contexts = [], []
+        running = sum(1 for c in contexts if c.gen is not None and not c.gen.paused and not c.gen.done)
+        queued = sum(max(0, c.num_uncomputed) for c in active)
+        waiting = sum(1 for c in active if c.gen is None and c.num_uncomputed > 0)
+        return {"kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
+                "queued_tokens": queued, "running": running, "waiting": waiting, "contexts": len(contexts)}
+
     async def check_invariants(self) -> dict:
         """Verify block and context bookkeeping; returns usage counts."""
         return await self._call(self._cmd_check)
