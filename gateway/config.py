@@ -51,23 +51,85 @@ POLICY_PROPERTIES = {
                        "ttl_s": {"type": "number", "exclusiveMinimum": 0}}},
 }
 
+#: The native engine's own settings: at the model level, or in a native engine object (overriding them).
+NATIVE_PROPERTIES = {
+    "dtype": {"enum": ["auto", "float32", "bfloat16", "float16"]},
+    "device": {"type": "string"},
+    "block_size": {"type": "integer", "minimum": 1, "maximum": 256},
+    "kv_cache_tokens": {"type": "integer", "minimum": 16},
+    "max_batched_tokens": {"type": "integer", "minimum": 1},
+    "max_seqs": {"type": "integer", "minimum": 1},
+    "max_model_len": {"type": "integer", "minimum": 16},
+}
+
+ENGINE_KINDS = ("native", "vllm", "openai")
+
+#: The keys of an engine object, per kind (issue #11).
+ENGINE_KIND_PROPERTIES = {
+    "native": {
+        "worker": {"enum": ["thread", "process"],
+                   "description": "thread: in the gateway's process (default); process: in a worker process"},
+        **NATIVE_PROPERTIES,
+    },
+    "vllm": {
+        "model": {"type": "string", "minLength": 1, "description": "what vLLM loads (default: the model's path)"},
+        "dtype": {"enum": ["auto", "float32", "bfloat16", "float16"]},
+        "tensor_parallel_size": {"type": "integer", "minimum": 1},
+        "pipeline_parallel_size": {"type": "integer", "minimum": 1},
+        "distributed_executor_backend": {"enum": ["mp", "ray", "uni", "external_launcher"]},
+        "gpu_memory_utilization": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "max_model_len": {"type": "integer", "minimum": 16},
+        "kv_cache_space_gb": {"type": "number", "exclusiveMinimum": 0, "description": "CPU builds of vLLM only"},
+        "enforce_eager": {"type": "boolean"},
+        "max_num_seqs": {"type": "integer", "minimum": 1},
+        "max_num_batched_tokens": {"type": "integer", "minimum": 1},
+        "args": {"type": "object", "description": "more vLLM engine arguments, passed through unchecked"},
+    },
+    "openai": {
+        "url": {"type": "string", "pattern": r"^https?://[^\s/]+\S*$",
+                "description": "a vLLM OpenAI-compatible server, e.g. http://10.0.0.5:8000/v1"},
+        "model": {"type": "string", "minLength": 1,
+                  "description": "the remote server's model name (default: the model path's last component)"},
+        "api_key": {"type": "string"},
+        "timeout_s": {"type": "number", "exclusiveMinimum": 0},
+    },
+}
+
+#: ``engine: native`` (a kind alone) or ``engine: {kind: ..., ...}``.  Written with if/then rather
+#: than oneOf so a mistake is reported at its own key, not as "not valid under any of the schemas".
+ENGINE_SCHEMA = {
+    "type": ["string", "object"],
+    "description": "which engine serves the model: native, vllm, or an object {kind: native|vllm|openai, ...}",
+    "if": {"type": "string"},
+    "then": {"enum": ["native", "vllm"]},
+    "else": {
+        "required": ["kind"],
+        "properties": {"kind": {"enum": list(ENGINE_KINDS)}},
+        "allOf": [{"if": {"properties": {"kind": {"const": kind}}, "required": ["kind"]},
+                   "then": {"additionalProperties": False, "properties": {"kind": {"const": kind}, **props},
+                            **({"required": ["url"]} if kind == "openai" else {})}}
+                  for kind, props in ENGINE_KIND_PROPERTIES.items()],
+    },
+}
+
 MODEL_SCHEMA = {
     "type": "object",
     "additionalProperties": False,
     "required": ["path"],
     "properties": {
         **POLICY_PROPERTIES,
-        "engine": {"enum": ["native"], "description": "which engine serves the model"},
+        "engine": ENGINE_SCHEMA,
+        "replicas": {
+            "type": ["integer", "array"],
+            "description": "copies of the engine behind this model (a number), or one engine per replica (a list)",
+            "if": {"type": "integer"},
+            "then": {"minimum": 1},
+            "else": {"minItems": 1, "items": ENGINE_SCHEMA},
+        },
         "path": {"type": "string", "minLength": 1,
                  "description": "'embedded', a Hugging Face model directory or a .gguf file"},
         "parser": {"type": "string", "minLength": 1, "description": "tool-call parser name (default hermes)"},
-        "dtype": {"enum": ["auto", "float32", "bfloat16", "float16"]},
-        "device": {"type": "string"},
-        "block_size": {"type": "integer", "minimum": 1, "maximum": 256},
-        "kv_cache_tokens": {"type": "integer", "minimum": 16},
-        "max_batched_tokens": {"type": "integer", "minimum": 1},
-        "max_seqs": {"type": "integer", "minimum": 1},
-        "max_model_len": {"type": "integer", "minimum": 16},
+        **NATIVE_PROPERTIES,
     },
 }
 
@@ -177,12 +239,17 @@ class PolicySpec:
 
 @dataclass
 class ModelSpec:
+    """``engine`` is the first replica's kind and ``engine_args`` the model-level native
+    settings; ``replicas`` holds one engine dict per replica (``{"kind": ..., ...}``,
+    native ones with the model-level settings merged in), one when no ``replicas:`` is given."""
+
     name: str
     engine: str
     path: str
     parser: str
     engine_args: Dict[str, Any]
     policy: PolicySpec = field(default_factory=PolicySpec)
+    replicas: List[Dict[str, Any]] = field(default_factory=list)
 
 
 #: A caller's server-tool permission: False (none), True (every enabled tool) or the tool names allowed.
@@ -300,10 +367,12 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
     defaults = data.get("engine") or {}
     for name, m in data["models"].items():
         m = {**MODEL_DEFAULTS, **m}
-        engine_args = {k: v for k, v in m.items() if k not in ("engine", "path", "parser", *POLICY_PROPERTIES)}
+        engine_args = {k: v for k, v in m.items()
+                       if k not in ("engine", "replicas", "path", "parser", *POLICY_PROPERTIES)}
         own = {k: v for k, v in m.items() if k in POLICY_PROPERTIES}
         policy = _policy(defaults, own, m["kv_cache_tokens"], f"models.{name}", source)
-        models[name] = ModelSpec(name, m["engine"], m["path"], m["parser"], engine_args, policy)
+        replicas = _replicas(data["models"][name], m["path"], engine_args, f"models.{name}", source)
+        models[name] = ModelSpec(name, replicas[0]["kind"], m["path"], m["parser"], engine_args, policy, replicas)
     return GatewayConfig(host=server["host"], port=server["port"], api_keys=_api_keys(server, source),
                          server_tools=server["server_tools"], replay=server["replay"],
                          cors_origins=list(server["cors_origins"]),
@@ -312,6 +381,32 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                          models=models, plugin_entrypoints=plugins["entrypoints"],
                          plugin_modules=list(plugins["modules"]), tools=dict(data.get("tools") or {}),
                          sessions=_sessions(server.get("sessions") or {}, source), source=source, raw=data)
+
+
+def engine_dict(engine: Union[str, Dict[str, Any]], path: str, native_args: Dict[str, Any]) -> Dict[str, Any]:
+    """One replica's engine, normalized: ``{"kind": ..., ...}``; a native one gets the model-level
+    native settings under its own and ``worker`` (default thread), an openai one its ``model``
+    (default: the last component of the model's path)."""
+    e = {"kind": engine} if isinstance(engine, str) else dict(engine)
+    if e["kind"] == "native":
+        e = {"kind": "native", "worker": e.get("worker", "thread"), **native_args,
+             **{k: v for k, v in e.items() if k not in ("kind", "worker")}}
+    elif e["kind"] == "openai":
+        e.setdefault("model", os.path.basename(path.rstrip("/\\")) or path)
+    return e
+
+
+def _replicas(raw: Dict[str, Any], path: str, native_args: Dict[str, Any], where: str,
+              source: str) -> List[Dict[str, Any]]:
+    """The model's replicas: ``replicas: N`` copies of ``engine``, or the listed engines."""
+    engine = raw.get("engine", MODEL_DEFAULTS["engine"])
+    replicas = raw.get("replicas", 1)
+    if isinstance(replicas, list):
+        if "engine" in raw:
+            raise ConfigError(f"{source}: {where}.replicas: a list of replicas names each one's engine; "
+                              f"drop {where}.engine (or give replicas as a number)")
+        return [engine_dict(e, path, native_args) for e in replicas]
+    return [engine_dict(engine, path, native_args) for _ in range(replicas)]
 
 
 def _sessions(raw: Dict[str, Any], source: str) -> SessionsConfig:

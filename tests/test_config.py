@@ -124,3 +124,62 @@ def test_plugins_command_shows_tool_info(tmp_path):
     i = lines.index("  tool    probe")
     assert lines[i + 1].strip() == "isolation: none (test probe)"
     assert lines[i + 2].strip() == 'limits: {"memory_mb": 1024}'
+
+
+# ------------------------------------------------------------ engines and replicas (issue #11)
+def test_engine_objects_and_replicas():
+    cfg = parse_config({"models": {
+        "plain": {"path": "embedded"},
+        "two": {"path": "embedded", "kv_cache_tokens": 4096, "replicas": 2,
+                "engine": {"kind": "native", "worker": "process", "max_seqs": 8}},
+        "mixed": {"path": "/models/Llama-3.1-8B/", "replicas": [
+            "native", {"kind": "vllm", "tensor_parallel_size": 2, "args": {"swap_space": 4}},
+            {"kind": "openai", "url": "http://10.0.0.5:8000/v1", "api_key": "k", "timeout_s": 30}]},
+    }}, "f.yaml")
+    plain, two, mixed = (cfg.models[n] for n in ("plain", "two", "mixed"))
+    native = {"kind": "native", "worker": "thread", "dtype": "auto", "block_size": 16, "kv_cache_tokens": 16384,
+              "max_batched_tokens": 512, "max_seqs": 256}
+    assert plain.engine == "native" and plain.replicas == [native]  # as before: one native in-process engine
+    assert plain.engine_args["kv_cache_tokens"] == 16384
+    assert two.replicas == [{**native, "worker": "process", "kv_cache_tokens": 4096, "max_seqs": 8}] * 2
+    assert mixed.engine == "native" and [r["kind"] for r in mixed.replicas] == ["native", "vllm", "openai"]
+    assert mixed.replicas[1] == {"kind": "vllm", "tensor_parallel_size": 2, "args": {"swap_space": 4}}
+    assert mixed.replicas[2]["model"] == "Llama-3.1-8B"  # the remote model's name defaults to the path's last part
+    vllm = parse_config({"models": {"m": {"path": "x", "engine": "vllm"}}}).models["m"]
+    assert vllm.engine == "vllm" and vllm.replicas == [{"kind": "vllm"}]
+
+
+@pytest.mark.parametrize("model,needle", [
+    ({"engine": {"kind": "tgi"}}, "models.m.engine.kind: 'tgi' is not one of ['native', 'vllm', 'openai']"),
+    ({"engine": "openai"}, "models.m.engine: 'openai' is not one of ['native', 'vllm']"),
+    ({"engine": {"worker": "thread"}}, "models.m.engine: 'kind' is a required property"),
+    ({"replicas": 0}, "models.m.replicas: 0 is less than the minimum of 1"),
+    ({"replicas": []}, "models.m.replicas: [] should be non-empty"),
+    ({"replicas": "2"}, "models.m.replicas: '2' is not of type 'integer', 'array'"),
+    ({"engine": {"kind": "openai"}}, "models.m.engine: 'url' is a required property"),
+    ({"replicas": [{"kind": "openai", "url": "ftp://host/v1"}]}, "models.m.replicas[0].url: 'ftp://host/v1' does not"),
+    ({"engine": {"kind": "vllm", "tensor_parallel_size": 0}},
+     "models.m.engine.tensor_parallel_size: 0 is less than the minimum of 1"),
+    ({"engine": {"kind": "vllm", "gpu_memory_utilization": 1.5}},
+     "models.m.engine.gpu_memory_utilization: 1.5 is greater than the maximum of 1"),
+    ({"engine": {"kind": "vllm", "distributed_executor_backend": "slurm"}},
+     "models.m.engine.distributed_executor_backend: 'slurm' is not one of"),
+    ({"engine": {"kind": "vllm", "tensor_parallel": 2}},
+     "models.m.engine: Additional properties are not allowed ('tensor_parallel' was unexpected)"),
+    ({"replicas": ["native", {"kind": "vllm", "url": "http://x"}]},
+     "models.m.replicas[1]: Additional properties are not allowed ('url' was unexpected)"),
+    ({"engine": {"kind": "native", "worker": "fork"}}, "models.m.engine.worker: 'fork' is not one of"),
+    ({"engine": {"kind": "native", "block_size": 0}}, "models.m.engine.block_size: 0 is less than the minimum"),
+    ({"engine": "native", "replicas": ["native"]}, "models.m.replicas: a list of replicas names each one's engine"),
+])
+def test_invalid_engines_and_replicas(model, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"models": {"m": {"path": "x", **model}}}, "f.yaml")
+    assert "f.yaml" in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_engine_secrets_from_environment(monkeypatch):
+    monkeypatch.setenv("REMOTE_KEY", "s3cret")
+    cfg = parse_config({"models": {"m": {"path": "x", "engine": {"kind": "openai", "url": "https://h/v1",
+                                                                   "api_key": "os.environ/REMOTE_KEY"}}}})
+    assert cfg.models["m"].replicas[0]["api_key"] == "s3cret"
