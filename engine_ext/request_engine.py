@@ -426,8 +426,8 @@ class RequestEngine:
         """Compute the context's KV with a one-token request; vLLM's prefix
         cache keeps its whole blocks for the forks and follow-ups that
         extend it (Parrot's Fill, as a prefix-cache warm-up)."""
-        if ctx.computed >= len(ctx.token_ids) - len(ctx.token_ids) % self.block_size and ctx.computed:
-            return
+        if len(ctx.token_ids) // self.block_size * self.block_size <= ctx.computed:
+            return  # no whole block to compute (the cache keeps whole blocks only)
         rid = f"{self.name}-fill-{next(_ids)}"
         tokens = list(ctx.token_ids)
         async with contextlib.aclosing(self._open(rid, tokens, SamplingParams(max_tokens=1), 1,

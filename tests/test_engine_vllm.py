@@ -1,0 +1,160 @@
+"""What only the vLLM engine has: Interlace's ranking inside vLLM's scheduler,
+grammars as vLLM structured outputs, the engine-args mapping, and the death
+of vLLM's engine-core process.  The protocol semantics it shares with every
+engine are in test_engine_conformance.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh --test (the CPU build here)")
+
+from interlace.engine_ext import errors as E  # noqa: E402
+from interlace.engine_ext.protocol import RequestHint, SamplingParams  # noqa: E402
+from interlace.gateway.config import PolicySpec  # noqa: E402
+
+ENGINE = {"kind": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_space_gb": 1, "max_model_len": 1024}
+
+
+def _engine(smol_dir, policy=None, **over):
+    from interlace.engine_ext.vllm import load_vllm_engine
+
+    return load_vllm_engine({**ENGINE, **over}, str(smol_dir), policy)
+
+
+@pytest.fixture(scope="module")
+def sjf_engine(smol_dir):
+    """One request at a time, waiting requests ranked by predicted output (SJF)."""
+    eng = _engine(smol_dir, PolicySpec(ranking="sjf", interception="discard"), max_num_seqs=1)
+    yield eng
+    eng.close()
+
+
+def _engine_core_pids() -> list:
+    me = psutil.Process()
+    return [p.pid for p in me.children(recursive=True) if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
+
+
+async def _finish_order(eng, hints):
+    """A blocker runs; then requests with ``hints`` arrive in order while it
+    does; returns the order in which they finish."""
+    prompt = eng.tokenizer.encode("Count: one two three")
+    await eng.fill("base", prompt)
+    for i in range(len(hints)):
+        await eng.fill(f"r{i}", [], parent_context_id="base")
+    await eng.fill("blocker", prompt)
+    blocker = eng.generate("blocker", SamplingParams(max_tokens=40, ignore_eos=True))
+    await blocker.__anext__()  # it holds the only slot now
+    order = []
+
+    async def run(i, hint):
+        async for ev in eng.generate(f"r{i}", SamplingParams(max_tokens=3, ignore_eos=True), hint=hint):
+            if ev.finish_reason:
+                order.append(i)
+
+    tasks = []
+    for i, h in enumerate(hints):
+        tasks.append(asyncio.create_task(run(i, h)))
+        await asyncio.sleep(0.3)  # distinct arrivals, all while the blocker runs
+    async for _ in blocker:
+        pass
+    await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    for i in range(len(hints)):
+        await eng.free_context(f"r{i}")
+    await eng.free_context("base")
+    await eng.free_context("blocker")
+    return order
+
+
+def test_the_ranking_orders_vllms_waiting_queue(sjf_engine):
+    """Arrival order is longest-predicted first; SJF inside vLLM's scheduler
+    serves them shortest first (plain vLLM would serve them as they came)."""
+    hints = [RequestHint(expected_output=n) for n in (300, 200, 100, 5)]
+    order = asyncio.run(_finish_order(sjf_engine, hints))
+    assert order == [3, 2, 1, 0]
+
+
+def test_grammar_runs_as_vllm_structured_output(sjf_engine):
+    from interlace.gateway.constrained import GrammarCompiler
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    gc = GrammarCompiler(sjf_engine.tokenizer, vocab_size=sjf_engine.vocab_size)
+    proc = gc.processor(gc.json_schema(schema))
+    prompt = sjf_engine.tokenizer.encode_chat([{"role": "user", "content": "A trip as JSON."}])
+
+    async def go():
+        await sjf_engine.fill("g", prompt)
+        text = []
+        async for ev in sjf_engine.generate("g", SamplingParams(max_tokens=60, logits_processors=[proc])):
+            text.append(ev.text)
+            last = ev
+        await sjf_engine.free_context("g")
+        return "".join(text), last.finish_reason
+
+    text, reason = asyncio.run(go())
+    assert reason == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_python_logits_processors_are_refused_before_any_state_change(sjf_engine):
+    async def go():
+        await sjf_engine.fill("p", [1, 2, 3])
+        with pytest.raises(E.InvalidSampling, match="grammars"):
+            sjf_engine_gen = sjf_engine.generate("p", SamplingParams(logits_processors=[lambda ids, x: x]))
+            await sjf_engine_gen.__anext__()
+        # the context is untouched and usable
+        assert await sjf_engine.context_tokens("p") == [1, 2, 3]
+        async for ev in sjf_engine.generate("p", SamplingParams(max_tokens=2)):
+            pass
+        await sjf_engine.free_context("p")
+    asyncio.run(go())
+
+
+def test_engine_args_map_the_yaml_and_refuse_what_interlace_sets(smol_dir):
+    from interlace.engine_ext.vllm import engine_args
+
+    args = engine_args({**ENGINE, "tensor_parallel_size": 1, "args": {"seed": 7}}, str(smol_dir),
+                       PolicySpec(ranking="fcfs", prefix_caching=False))
+    assert args.scheduler_cls == "interlace.engine_ext.vllm.scheduler.InterlaceScheduler"
+    assert args.additional_config["interlace"]["ranking"] == "fcfs"
+    assert args.enable_prefix_caching is False and args.seed == 7 and args.max_model_len == 1024
+    with pytest.raises(ValueError, match="scheduler_cls"):
+        engine_args({**ENGINE, "args": {"scheduler_cls": "x.Y"}}, str(smol_dir))
+    embedded = engine_args({"kind": "vllm"}, "embedded")
+    assert os.path.isdir(embedded.model)
+
+
+def test_a_dead_engine_core_fails_streams_and_calls_with_engine_unavailable(smol_dir):
+    eng = _engine(smol_dir)
+    try:
+        before = set(_engine_core_pids())
+        assert before, "vLLM's engine core runs in a child process"
+
+        async def go():
+            await eng.fill("d", eng.tokenizer.encode("Tell me a long story about a dragon."))
+            stream = eng.generate("d", SamplingParams(max_tokens=500, ignore_eos=True))
+            await stream.__anext__()
+            for pid in before:
+                os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(E.EngineUnavailable):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - t0 < 30
+            with pytest.raises(E.EngineUnavailable):
+                await eng.fill("e", [1, 2, 3])
+        asyncio.run(asyncio.wait_for(go(), 90))
+        assert not eng.alive
+    finally:
+        eng.close()
