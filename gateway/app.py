@@ -30,11 +30,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine_ext.errors import ContextTooLong, EngineError
+from ..engine_ext.errors import ContextTooLong, EngineClosed, EngineError, EngineUnavailable
 from . import http_guard as guard_
 from . import openai_api as api
 from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
-from .config import GatewayConfig, ModelSpec
+from .config import ConfigError, GatewayConfig, ModelSpec, engine_dict
 from .http_guard import ClientGone
 from ..engine_ext.policies import OutputLengths, ToolDurations
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -123,8 +123,8 @@ class Gateway:
         try:
             engines: Dict[str, Any] = {}  # models that differ only in name/parser share one engine
             for spec in cfg.models.values():
-                key = json.dumps([spec.engine, spec.path, spec.engine_args, dataclasses.asdict(spec.policy)],
-                                 sort_keys=True)
+                key = json.dumps([spec.engine, spec.path, spec.engine_args, spec.replicas,
+                                  dataclasses.asdict(spec.policy)], sort_keys=True)
                 if key not in engines:
                     engines[key] = await asyncio.to_thread(self.engine_factory, spec)
                 engine = engines[key]
@@ -135,7 +135,7 @@ class Gateway:
                          and retention.max_contexts > 0 and retention.max_tokens > 0 else None)
                 self.models[spec.name] = ModelServer(spec.name, spec, engine, self.parsers.get(spec.parser),
                                                      durations=durations, retention=store)
-                self.metrics.watch_engine(spec.name, lambda e=engine: e.blocks.num_used, engine.blocks.num_blocks)
+                self.metrics.watch_engine(spec.name, engine)
             self.runtime = ToolRuntime(self.host.tools(), policy=self.host.before_tool_execution)
             await self.runtime.start()
             self.services = Services(self.models, self.runtime, cfg.default_max_tokens,
@@ -168,16 +168,83 @@ class Gateway:
 
 
 def load_engine(spec: ModelSpec) -> Any:
-    """The model's engine with its configured policies.  The profile they
-    reason with may have to be measured on this engine (``auto``), so the
-    engine is built first and given its policies before it serves."""
+    """The model's engine: one engine per replica (``spec.replicas``), each
+    built by its kind with the model's policies; several are put behind one
+    :class:`~interlace.engine_ext.replicas.ReplicaSet`.  If one fails to
+    start, those already started are closed and the error raised."""
+    replicas = spec.replicas or [engine_dict(spec.engine, spec.path, spec.engine_args)]
+    engines: List[Any] = []
+    try:
+        for i, r in enumerate(replicas):
+            where = f"models.{spec.name}." + (f"replicas[{i}]" if len(replicas) > 1 else "engine")
+            engines.append(load_replica(spec, r, where, f"{spec.name}-{i}"))
+    except BaseException:
+        for e in reversed(engines):
+            try:
+                e.close()
+            except Exception:  # noqa: BLE001  (the start-up error is the one to report)
+                log.exception("closing a replica of %s after a failed start failed", spec.name)
+        raise
+    if len(engines) == 1:
+        return engines[0]
+    from ..engine_ext.replicas import ReplicaSet
+
+    log.info("%s: %d replicas (%s)", spec.name, len(engines), ", ".join(r["kind"] for r in replicas))
+    return ReplicaSet(engines)
+
+
+#: The settings of a native engine object that are :meth:`NativeEngine.load` keyword arguments.
+NATIVE_LOAD_KEYS = ("dtype", "device", "block_size", "kv_cache_tokens", "max_batched_tokens", "max_seqs",
+                    "max_model_len")
+
+
+def load_replica(spec: ModelSpec, r: Dict[str, Any], where: str = "", label: str = "worker") -> Any:
+    """One replica's engine, by its kind (``r``: a normalized engine dict of
+    ``spec.replicas``).  The optional engines are imported here, so a missing
+    dependency fails only the model that uses it, with a message naming it."""
+    kind = r["kind"]
+    if kind == "native":
+        kwargs = {k: r[k] for k in NATIVE_LOAD_KEYS if k in r}
+        if r.get("worker", "thread") == "thread":
+            return load_native(spec.path, kwargs, spec.policy)
+        process_engine = _optional(where, kind, "..engine_ext.worker", "ProcessEngine")
+        return process_engine.start({"path": spec.path, **kwargs}, spec.policy, name=label)
+    from ..engine_ext.embedded import embedded_model_dir
+
+    path = str(embedded_model_dir()) if spec.path == "embedded" else spec.path
+    if kind == "vllm":
+        load_vllm_engine = _optional(where, kind, "..engine_ext.vllm", "load_vllm_engine")
+        model = r.get("model", spec.path)
+        model = str(embedded_model_dir()) if model == "embedded" else model
+        return load_vllm_engine({**r, "model": model}, model, spec.policy)
+    if kind == "openai":
+        load_openai_engine = _optional(where, kind, "..engine_ext.openai_http", "load_openai_engine")
+        return load_openai_engine(dict(r), path)
+    raise ConfigError(f"{where}.kind: unknown engine kind {kind!r}")
+
+
+def _optional(where: str, kind: str, module: str, name: str) -> Any:
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module, __package__), name)
+    except ImportError as e:
+        raise ConfigError(f"{where}: the {kind} engine cannot be loaded ({e}); is its optional dependency "
+                          f"installed?") from e
+
+
+def load_native(path: str, engine_args: Dict[str, Any], policy: Any) -> Any:
+    """A native engine in this process with its configured policies.  The
+    profile they reason with may have to be measured on this engine
+    (``auto``), so the engine is built first and given its policies before
+    it serves."""
     from ..engine_ext.embedded import embedded_model_dir
     from ..engine_ext.native.engine import NativeEngine
     from ..engine_ext.policies import ObjectiveRanking, make_interception, make_ranking
 
-    path = embedded_model_dir() if spec.path == "embedded" else spec.path
-    p = spec.policy
-    engine = NativeEngine.load(path, **spec.engine_args, host_pool_tokens=p.swap_space_tokens,
+    path = embedded_model_dir() if path == "embedded" else path
+    p = policy
+    engine = NativeEngine.load(path, **engine_args, host_pool_tokens=p.swap_space_tokens,
                                prefix_caching=p.prefix_caching)
     try:
         profile = engine_profile(engine, p.profile, p.swap_space_tokens)
@@ -250,7 +317,7 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
             await gw.stop()
 
     def error(e: api.APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     def guard(fn):
         """Authentication, and APIError -> its JSON answer.  The request's key is
@@ -382,10 +449,18 @@ async def _first_event(events: AsyncIterator[Any]) -> Any:
         raise engine_error(e) from e
 
 
+#: Seconds a client is asked to wait before retrying a request no engine (replica) could serve.
+RETRY_AFTER_S = 1
+
+
 def engine_error(e: EngineError) -> api.APIError:
-    """A context too long for the model is the client's mistake; other engine errors are ours."""
+    """A context too long for the model is the client's mistake; an engine (replica)
+    that is gone is a 503 to retry; other engine errors are ours."""
     if isinstance(e, ContextTooLong):
         return api.APIError(400, str(e), code="context_length_exceeded")
+    if isinstance(e, (EngineUnavailable, EngineClosed)):
+        return api.APIError(503, f"engine unavailable: {e}", "server_error", code="engine_unavailable",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
     return api.APIError(500, f"engine error: {e}", "server_error", code="engine_error")
 
 

@@ -3,10 +3,13 @@ in one process -- tests -- do not collide)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Dict, Iterator, List, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine_ext.replicas import engine_stats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -26,6 +29,9 @@ class Metrics:
                                       ["tool"], buckets=LATENCY_BUCKETS, registry=r)
         self.kv_blocks = Gauge("interlace_kv_blocks_in_use", "KV cache blocks in use", ["model"], registry=r)
         self.kv_blocks_total = Gauge("interlace_kv_blocks_total", "KV cache blocks", ["model"], registry=r)
+        # per engine replica (engine_ext/replicas.py; an engine alone is replica "0"), read at scrape time
+        self.replicas = ReplicaCollector()
+        r.register(self.replicas)
         # client-side tool calls: contexts retained for the follow-up request (gateway/retention.py)
         self.retention_hits = Counter("interlace_retention_hits", "Requests that adopted a retained context",
                                       ["model"], registry=r)
@@ -49,9 +55,12 @@ class Metrics:
             "interlace_semantic_prompt_tokens", "Prompt tokens of semantic calls: filled, or forked from a shared "
             "prefix context instead", ["model", "kind"], registry=r)
 
-    def watch_engine(self, model: str, used: Callable[[], int], total: int) -> None:
-        self.kv_blocks.labels(model).set_function(used)
-        self.kv_blocks_total.labels(model).set(total)
+    def watch_engine(self, model: str, engine: Any) -> None:
+        """KV blocks of ``model``'s engine (all its live replicas) and its per-replica metrics,
+        read from the engine's load stats when scraped."""
+        self.kv_blocks.labels(model).set_function(lambda: _stat(engine, "kv_blocks_used"))
+        self.kv_blocks_total.labels(model).set_function(lambda: _stat(engine, "kv_blocks_total"))
+        self.replicas.engines.append((model, engine))
 
     def request(self, endpoint: str, model: str, status: int) -> None:
         self.requests.labels(endpoint, model, str(status)).inc()
@@ -80,3 +89,66 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _stat(engine: Any, key: str) -> int:
+    """One number of :func:`engine_stats`; engines without stats: their block manager, else 0."""
+    st = engine_stats(engine)
+    if st is not None:
+        return int(st.get(key, 0) or 0)
+    blocks = getattr(engine, "blocks", None)
+    if blocks is None:
+        return 0
+    return int(blocks.num_used if key == "kv_blocks_used" else blocks.num_blocks if key == "kv_blocks_total" else 0)
+
+
+def replica_states(engine: Any) -> List[Dict[str, Any]]:
+    """``engine.replica_states()`` of a replica set; an engine alone is one replica named "0"."""
+    fn = getattr(engine, "replica_states", None)
+    if callable(fn):
+        return fn()
+    alive = bool(getattr(engine, "alive", True))
+    stats = engine_stats(engine) if alive else None
+    if stats is None and alive and getattr(engine, "blocks", None) is not None:
+        stats = {"kv_blocks_used": _stat(engine, "kv_blocks_used"), "kv_blocks_total": _stat(engine, "kv_blocks_total")}
+    return [{"name": "0", "alive": alive, "contexts": (stats or {}).get("contexts", 0), "stats": stats, "routed": {}}]
+
+
+class ReplicaCollector:
+    """``interlace_replica_*``: whether each replica is up, its KV blocks, queued tokens and
+    contexts, and the new contexts routed to it by reason (affinity, prefix, load)."""
+
+    GAUGES: Tuple[Tuple[str, str, str], ...] = (
+        ("interlace_replica_kv_blocks_in_use", "KV cache blocks in use on the replica", "kv_blocks_used"),
+        ("interlace_replica_kv_blocks_total", "KV cache blocks of the replica", "kv_blocks_total"),
+        ("interlace_replica_queued_tokens", "Tokens the replica has queued to compute", "queued_tokens"),
+    )
+
+    def __init__(self) -> None:
+        self.engines: List[Tuple[str, Any]] = []  # (model name, engine)
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())  # names are known only when collected (no clash check at registration)
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["model", "replica"]
+        up = GaugeMetricFamily("interlace_replica_up", "Whether the engine replica serves (1) or is gone (0)",
+                               labels=labels)
+        gauges = [(GaugeMetricFamily(name, doc, labels=labels), key) for name, doc, key in self.GAUGES]
+        contexts = GaugeMetricFamily("interlace_replica_contexts", "Contexts held on the replica", labels=labels)
+        routed = CounterMetricFamily("interlace_replica_routed", "New contexts placed on the replica, by reason",
+                                     labels=["model", "replica", "reason"])
+        for model, engine in self.engines:
+            for st in replica_states(engine):
+                name, stats = st["name"], st.get("stats") or {}
+                up.add_metric([model, name], 1.0 if st["alive"] else 0.0)
+                for family, key in gauges:
+                    family.add_metric([model, name], float(stats.get(key, 0) or 0))
+                contexts.add_metric([model, name], float(st.get("contexts", 0) or 0))
+                for reason in ("affinity", "prefix", "load"):
+                    routed.add_metric([model, name, reason], float((st.get("routed") or {}).get(reason, 0)))
+        yield up
+        for family, _ in gauges:
+            yield family
+        yield contexts
+        yield routed

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 
+import httpx
 import pytest
 
 from interlace.engine_ext import errors as E
@@ -279,3 +280,82 @@ def test_a_dead_replica_wakes_a_stream_waiting_on_it(tiny_dirs):
         asyncio.run(go())
     finally:
         rs.close()
+
+
+# ================================================================== gateway
+def test_a_replica_that_fails_to_start_closes_those_started(monkeypatch, tiny_dirs):
+    from interlace.gateway import app
+    from interlace.gateway.config import parse_config
+
+    started = []
+    real = app.load_native
+
+    def load_native(*args, **kw):
+        started.append(real(*args, **kw))
+        return started[-1]
+
+    monkeypatch.setattr(app, "load_native", load_native)
+    spec = parse_config({"models": {"m": {
+        "path": str(tiny_dirs["llama"][0]), "dtype": "float32", "kv_cache_tokens": 256, "profile": "h100-llama-3-8b",
+        "replicas": [{"kind": "native"}, {"kind": "native", "device": "no-such-device"}]}}}).models["m"]
+    with pytest.raises(RuntimeError, match="no-such-device"):
+        app.load_engine(spec)
+    assert len(started) == 1
+    with pytest.raises(E.EngineClosed):
+        asyncio.run(started[0].fill("c", prompt(1)))
+
+
+def metric(text: str, line_start: str) -> float:
+    (value,) = [ln.rsplit(" ", 1)[1] for ln in text.splitlines() if ln.startswith(line_start)]
+    return float(value)
+
+
+def test_gateway_serves_two_replicas_and_answers_503_when_none_is_left():
+    from gateway_server import LiveGateway
+
+    cfg = {"models": {"smollm2": {"path": "embedded", "dtype": "float32", "kv_cache_tokens": 2048, "replicas": 2}},
+           "plugins": {"entrypoints": False}}
+    chat = {"model": "smollm2", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    with LiveGateway(cfg) as live:
+        rs = live.gateway.models["smollm2"].engine
+        assert isinstance(rs, ReplicaSet) and len(rs.replicas) == 2
+
+        def post(body):
+            return httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
+
+        r = post(chat)
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        r = post({**chat, "messages": [{"role": "user", "content": "Name a color."}]})
+        assert r.status_code == 200, r.text
+        text = httpx.get(live.url + "/metrics").text
+        for name in ("0", "1"):
+            assert metric(text, f'interlace_replica_up{{model="smollm2",replica="{name}"}}') == 1.0
+            assert metric(text, f'interlace_replica_kv_blocks_total{{model="smollm2",replica="{name}"}}') == 128
+        assert metric(text, 'interlace_kv_blocks_total{model="smollm2"}') == 256
+        routed = sum(metric(text, f'interlace_replica_routed_total{{model="smollm2",reason="{why}",replica="{n}"}}')
+                     for n in ("0", "1") for why in ("affinity", "prefix", "load"))
+        assert routed == 2
+        assert 'interlace_replica_contexts{model="smollm2",replica="0"}' in text
+        assert 'interlace_replica_queued_tokens{model="smollm2",replica="1"}' in text
+
+        rs.replicas[0].engine.close()  # one replica gone: the other answers
+        for _ in range(2):
+            r = post(chat)
+            assert r.status_code == 200, r.text
+        text = httpx.get(live.url + "/metrics").text
+        assert metric(text, 'interlace_replica_up{model="smollm2",replica="0"}') == 0.0
+        assert metric(text, 'interlace_replica_up{model="smollm2",replica="1"}') == 1.0
+        assert metric(text, 'interlace_kv_blocks_total{model="smollm2"}') == 128
+
+        rs.replicas[1].engine.close()  # none left: 503, to retry
+        for body in (chat, {**chat, "stream": True}):
+            r = post(body)
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            err = r.json()["error"]
+            assert err["code"] == "engine_unavailable" and err["type"] == "server_error" and err["message"]
+        text = httpx.get(live.url + "/metrics").text
+        assert metric(text, 'interlace_replica_up{model="smollm2",replica="1"}') == 0.0
+        assert metric(text, 'interlace_requests_total{endpoint="/v1/chat/completions",model="",status="503"}') == 2
