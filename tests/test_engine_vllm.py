@@ -126,7 +126,7 @@ def test_engine_args_map_the_yaml_and_refuse_what_interlace_sets(smol_dir):
 
     args = engine_args({**ENGINE, "tensor_parallel_size": 1, "args": {"seed": 7}}, str(smol_dir),
                        PolicySpec(ranking="fcfs", prefix_caching=False))
-    assert args.scheduler_cls == "interlace.engine_ext.vllm.scheduler.InterlaceScheduler"
+    assert args.scheduler_cls == "interlace.engine_ext.vllm.scheduler.InterlaceScheduler"  # or its async twin
     assert args.additional_config["interlace"]["ranking"] == "fcfs"
     assert args.enable_prefix_caching is False and args.seed == 7 and args.max_model_len == 1024
     with pytest.raises(ValueError, match="scheduler_cls"):

@@ -44,8 +44,14 @@ class VLLMEngine(RequestEngine):
             def log_engine_initialized(self) -> None:
                 pass
 
+        from . import scheduler
+
         async def build() -> Any:
-            return AsyncLLM.from_engine_args(engine_args, stat_loggers=[InterlaceStats])
+            config = engine_args.create_engine_config()
+            sc = config.scheduler_config
+            if sc.scheduler_cls in (scheduler.SYNC, scheduler.ASYNC):  # ours: match vLLM's async scheduling choice
+                sc.scheduler_cls = scheduler.ASYNC if sc.async_scheduling else scheduler.SYNC
+            return AsyncLLM.from_vllm_config(config, stat_loggers=[InterlaceStats])
         try:
             self.llm = self._run(build())
         except BaseException:
@@ -56,6 +62,10 @@ class VLLMEngine(RequestEngine):
         self.vocab_size = int(cfg.model_config.get_vocab_size())
         self.block_size = int(cfg.cache_config.block_size)
         self.num_blocks = int(getattr(cfg.cache_config, "num_gpu_blocks", 0) or 0)
+        self.max_batched_tokens = int(cfg.scheduler_config.max_num_batched_tokens)
+        mc = cfg.model_config
+        self.kv_bytes_per_token = (2 * mc.get_num_layers(cfg.parallel_config) * mc.get_total_num_kv_heads()
+                                   * mc.get_head_size() * mc.dtype.itemsize)
 
     async def _open(self, rid: str, prompt: List[int], sampling: SamplingParams, max_tokens: int,
                     extra: Dict[str, Any], grammar: Any) -> AsyncIterator[Chunk]:
@@ -117,6 +127,10 @@ def _resolve_model(model: str) -> str:
     return model
 
 
+#: vLLM's scheduler with Interlace's ranking (its async twin is picked when vLLM schedules asynchronously)
+SCHEDULER = "interlace.engine_ext.vllm.scheduler.InterlaceScheduler"
+
+
 def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, profile: Any = None) -> Any:
     """vLLM's ``AsyncEngineArgs`` for an ``engine: {kind: vllm, ...}`` block."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -125,7 +139,7 @@ def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, pro
 
     model = _resolve_model(str(engine.get("model") or model_path))
     kw: Dict[str, Any] = {"model": model, "enable_prefix_caching": bool(getattr(policy, "prefix_caching", True)),
-                          "scheduler_cls": "interlace.engine_ext.vllm.scheduler.InterlaceScheduler",
+                          "scheduler_cls": SCHEDULER,
                           "structured_outputs_config": {"backend": "guidance"}}
     for key in ("dtype", "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
                 "gpu_memory_utilization", "max_model_len", "enforce_eager", "max_num_seqs",
@@ -151,37 +165,85 @@ def load_vllm_engine(engine: Dict[str, Any], model_path: str, policy: Any = None
     """A :class:`VLLMEngine` for the gateway's ``engine: {kind: vllm, ...}``.
 
     ``policy`` (the model's PolicySpec) names the ranking that runs inside
-    vLLM's scheduler and the interception policy whose tool-duration
-    predictor the gateway shares.  LAMPS needs a cost-model profile: a file
-    or built-in name from ``policy.profile``; ``auto`` (a measurement of
-    this engine) is not available for vLLM, so LAMPS falls back to a
-    profile derived from the native engine's measurement of the same model
-    if one is cached, else to SJF-total (logged)."""
+    vLLM's scheduler.  Its interception policy is always *discard* here
+    (the only handling vLLM can do, see the package docstring): LAMPS
+    predicts that handling, and the policy's tool-duration predictor is
+    shared with the gateway.  Rankings that need a cost model get the
+    configured profile file, or with ``profile: auto`` one measured through
+    this engine (:mod:`engine_ext.vllm.profile`), cached so only the first
+    start-up pays: that start-up runs vLLM twice, once to measure."""
     from ..native.tokenizer import Tokenizer
     from ..policies import ToolDurations, make_interception
     from ..policies.costmodel import Profile
 
     if engine.get("kv_cache_space_gb") is not None:  # the CPU build sizes its KV cache from the environment
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine["kv_cache_space_gb"])
-    profile = None
     ranking = getattr(policy, "ranking", "fcfs") if policy else "fcfs"
-    interception_name = getattr(policy, "interception", "preserve") if policy else "preserve"
-    pname = getattr(policy, "profile", "auto") if policy else "auto"
-    if pname != "auto":
-        profile = Profile.load(pname)
-    needs_profile = ranking == "lamps" or interception_name in ("infercept", "swap-budget", "heuristic")
-    if needs_profile and profile is None:
-        log.warning("the vLLM engine has no measured profile ('profile: auto' measures the native engine only): "
-                    "ranking %s -> sjf-total, interception %s -> discard; set engine.profile to a profile file "
-                    "to use them", ranking, interception_name)
-        policy = _replace_policy(policy, ranking="sjf-total" if ranking == "lamps" else ranking,
-                                 interception="discard")
-        interception_name = "discard"
+    asked = getattr(policy, "interception", "discard") if policy else "discard"
+    if asked not in ("discard", "vllm"):
+        log.info("vLLM handles every interception by discard with prefix reuse (asked: %s)", asked)
+    policy = _replace_policy(policy, ranking=ranking, interception="discard")
+    profile = None
+    pname = getattr(policy, "profile", "auto")
+    if ranking == "lamps":
+        profile = Profile.load(pname) if pname != "auto" else _auto_profile(engine, model_path, policy, name)
     args = engine_args(engine, model_path, policy, profile)
-    model_dir = Path(args.model)
-    tokenizer = Tokenizer(model_dir)
-    interception = make_interception(interception_name, profile, ToolDurations())
+    tokenizer = Tokenizer(Path(args.model))
+    interception = make_interception("discard", profile, ToolDurations())
     return VLLMEngine(args, tokenizer, name=name, interception=interception)
+
+
+def _auto_profile(engine: Dict[str, Any], model_path: str, policy: Any, name: str) -> Any:
+    """The cached measured profile of this model on this vLLM build and
+    device, measured now (on an FCFS engine started for it) if missing."""
+    import re
+
+    from ..native.loader import cache_root
+    from ..native.tokenizer import Tokenizer
+    from ..policies.costmodel import Profile, ProfileError
+    from .profile import METHOD, measure_request_profile
+
+    model = _resolve_model(str(engine.get("model") or model_path))
+    device = _device()
+    knobs = {k: engine.get(k) for k in ("dtype", "max_num_batched_tokens", "tensor_parallel_size",
+                                        "pipeline_parallel_size")}
+    knobs["block_size"] = (engine.get("args") or {}).get("block_size")
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{Path(model).name}-vllm-{device}-"
+                 + "-".join(f"{v}" for v in knobs.values()) + f"-m{METHOD}")
+    path = cache_root() / "profiles" / f"{key}.json"
+    if path.is_file():
+        try:
+            return Profile.load(path)
+        except ProfileError as e:
+            log.warning("ignoring the cached profile %s: %s", path, e)
+    log.warning("measuring a profile of %s on vLLM (once; cached in %s)", model, path)
+    args = engine_args(engine, model_path, _replace_policy(policy, ranking="fcfs"), None)
+    with VLLMEngine(args, Tokenizer(Path(args.model)), name=f"{name}-profile") as probe:
+        prof = measure_request_profile(probe, model=Path(model).name, device=device,
+                                       kv_bytes_per_token=probe.kv_bytes_per_token)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    prof.save(tmp)
+    os.replace(tmp, path)
+    return prof
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # a label only
+        pass
+    from ...bench import cpu_description
+
+    try:
+        return f"cpu: {cpu_description()['model_name']}"
+    except Exception:  # a label only
+        import platform
+
+        return f"cpu: {platform.processor() or platform.machine()}"
 
 
 def _replace_policy(policy: Any, **changes: Any) -> Any:

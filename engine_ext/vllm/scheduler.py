@@ -10,6 +10,9 @@ refresh interval, the cost-model profile as a dict) into
 (:func:`engine_ext.policies.make_ranking` wrapped in
 :class:`~engine_ext.policies.ObjectiveRanking`), not a reimplementation.
 
+:class:`InterlaceAsyncScheduler` is the same over vLLM's ``AsyncScheduler``,
+picked when vLLM enables asynchronous scheduling.
+
 Every step, before vLLM's own ``schedule()`` admits waiting requests from
 the front of its FCFS queue, the waiting queue is put in the ranking's
 order; after it, the ranking is told who was admitted (starvation
@@ -30,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..policies import ObjectiveRanking, Profile, make_ranking
@@ -74,8 +78,9 @@ def request_hint(req: Any) -> Dict[str, Any]:
     return extra.get(CONFIG_KEY) or {}
 
 
-class InterlaceScheduler(Scheduler):
-    """vLLM's scheduler with Interlace's ranking ordering its waiting queue."""
+class _Ranked:
+    """Interlace's ranking ordering a vLLM scheduler's waiting queue (a mixin
+    for vLLM's ``Scheduler`` and its ``AsyncScheduler``)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -125,6 +130,20 @@ class InterlaceScheduler(Scheduler):
     def _free_request(self, request: Any, *args: Any, **kwargs: Any):
         self._items.pop(request.request_id, None)
         return super()._free_request(request, *args, **kwargs)
+
+
+class InterlaceScheduler(_Ranked, Scheduler):
+    """vLLM's scheduler with Interlace's ranking."""
+
+
+class InterlaceAsyncScheduler(_Ranked, AsyncScheduler):
+    """vLLM's asynchronous scheduler (overlapping scheduling with the
+    forward pass; vLLM's default where the executor supports it) with
+    Interlace's ranking."""
+
+
+SYNC = f"{__name__}.InterlaceScheduler"
+ASYNC = f"{__name__}.InterlaceAsyncScheduler"
 
 
 def interlace_config(ranking: str = "fcfs", profile: Optional[Profile] = None, interception: str = "preserve",
