@@ -276,7 +276,7 @@ class RequestEngine:
     async def context_length(self, context_id: Hashable) -> int:
         return len(await self.context_tokens(context_id))
 
-    def stats(self) -> Dict[str, Any]:
+    def load_stats(self) -> Dict[str, Any]:
         """KV usage and queue lengths from the backend's last stats, and the
         tokens this frontend has asked for that are not decoded yet."""
         s = dict(self._stats)
