@@ -16,8 +16,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, TypeVar
@@ -31,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine_ext.errors import ContextTooLong, EngineClosed, EngineError, EngineUnavailable
+from ..engine_ext.native.setup import engine_profile  # noqa: F401  (moved there; imported from here by callers)
 from . import http_guard as guard_
 from . import openai_api as api
 from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
@@ -234,69 +233,12 @@ def _optional(where: str, kind: str, module: str, name: str) -> Any:
 
 
 def load_native(path: str, engine_args: Dict[str, Any], policy: Any) -> Any:
-    """A native engine in this process with its configured policies.  The
-    profile they reason with may have to be measured on this engine
-    (``auto``), so the engine is built first and given its policies before
-    it serves."""
-    from ..engine_ext.embedded import embedded_model_dir
-    from ..engine_ext.native.engine import NativeEngine
-    from ..engine_ext.policies import ObjectiveRanking, make_interception, make_ranking
+    """A native engine in this process with its configured policies
+    (:func:`~interlace.engine_ext.native.setup.build_native_engine`, which
+    worker processes use too)."""
+    from ..engine_ext.native.setup import build_native_engine
 
-    path = embedded_model_dir() if path == "embedded" else path
-    p = policy
-    engine = NativeEngine.load(path, **engine_args, host_pool_tokens=p.swap_space_tokens,
-                               prefix_caching=p.prefix_caching)
-    try:
-        profile = engine_profile(engine, p.profile, p.swap_space_tokens)
-        interception = make_interception(p.interception, profile, ToolDurations())
-        # Parrot's objectives (latency first, task groups together) around the configured ranking
-        ranking = ObjectiveRanking(make_ranking(p.ranking, profile, interception,
-                                                starvation_threshold=p.starvation_threshold,
-                                                refresh_interval=p.refresh_interval))
-        engine.set_policies(interception=interception, ranking=ranking, profile=profile)
-    except BaseException:
-        engine.close()
-        raise
-    return engine
-
-
-def engine_profile(engine: Any, name: str, host_pool_tokens: int = 0) -> Any:
-    """The cost model for ``engine``: a profile file or built-in name, or
-    (``auto``) one measured on this model, dtype and device, cached under
-    ``$INTERLACE_CACHE/profiles`` so only the first start-up pays for it."""
-    from ..engine_ext.native.loader import cache_root
-    from ..engine_ext.policies import Profile, ProfileError
-
-    if name != "auto":
-        return Profile.load(name)
-    dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
-    device = engine.device.type
-    if device == "cuda":
-        import torch
-
-        device = torch.cuda.get_device_name(engine.device)
-    from ..engine_ext.native.profiler import METHOD, measure_profile
-
-    # METHOD changes when the measurement does: a profile cached by an older method is measured again
-    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{engine.name}-{dtype}-{device}-bs{engine.block_size}-m{METHOD}")
-    path = cache_root() / "profiles" / f"{key}.json"
-    profile = None
-    if path.is_file():
-        try:
-            profile = Profile.load(path)
-        except ProfileError as e:  # our own cache: measure again
-            log.warning("ignoring the cached profile %s: %s", path, e)
-    if profile is None:
-        log.warning("measuring a profile of %s (once; cached in %s)", key, path)
-        profile = measure_profile(engine, quick=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        profile.save(tmp)
-        os.replace(tmp, path)  # atomic: a concurrent start-up never reads half a file
-    # the forward and swap times are the model's and device's; the capacities are this engine's
-    return dataclasses.replace(profile, kv_capacity_tokens=engine.blocks.num_blocks * engine.block_size,
-                               max_batched_tokens=engine.scheduler.max_batched_tokens,
-                               host_capacity_tokens=host_pool_tokens)
+    return build_native_engine(path, engine_args, policy)
 
 
 # ===================================================================== routes
