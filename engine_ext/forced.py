@@ -35,14 +35,29 @@ class ForcedOutput:
     def on_resume(self) -> None:
         self._advance = True
 
-    def __call__(self, generated: Sequence[int], logits: Any) -> Any:
-        n = len(generated)
+    def _sync(self, n: int) -> None:
+        """Move to the piece the ``n``-th generated token belongs to."""
         if self._advance:
             self._advance = False
             self.piece, self.base = self.piece + 1, n
         while self.piece < len(self.pieces) and n - self.base >= len(self.pieces[self.piece]):
             self.base += len(self.pieces[self.piece])  # piece done without a pause: the next follows
             self.piece += 1
+
+    def segment_grammar(self, n_generated: int) -> Optional[dict]:
+        """For engines that sample by themselves (vLLM): the rest of the
+        recording from the ``n_generated``-th token, as a Lark grammar of
+        token ids (llguidance's ``<[id]>``), then anything; None past its end."""
+        self._sync(n_generated)
+        if self.piece >= len(self.pieces):
+            return None
+        rest = self.pieces[self.piece][n_generated - self.base:] + [t for p in self.pieces[self.piece + 1:] for t in p]
+        body = " ".join(f"<[{int(t)}]>" for t in rest)
+        return {"grammar": f"start: {body} free\nfree: /(?s:.*)/\n"}
+
+    def __call__(self, generated: Sequence[int], logits: Any) -> Any:
+        n = len(generated)
+        self._sync(n)
         if self.piece >= len(self.pieces):
             return logits
         out = logits.new_full(logits.shape, float("-inf"))

@@ -28,7 +28,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
-import json
 import logging
 import threading
 import time
@@ -378,11 +377,10 @@ class RequestEngine:
         backend's scheduler may read (the job's arrival, the RequestHint)."""
         raise NotImplementedError
 
-    def _grammar(self, sampling: SamplingParams) -> Any:
-        """The backend's form of the sampling's grammar (None: no processors)."""
-        if sampling.logits_processors:
-            raise E.InvalidSampling(f"the {self.name} engine cannot take logits processors")
-        return None
+    def _grammar(self, parts: Dict[str, Any]) -> Any:
+        """The backend's form of a grammar given as ``{"json": schema}`` or
+        ``{"grammar": lark}`` (llguidance's Lark dialect)."""
+        raise E.InvalidSampling(f"the {self.name} engine cannot run grammars")
 
     async def _shutdown(self) -> None:
         pass
@@ -395,23 +393,31 @@ class RequestEngine:
         return None
 
     @staticmethod
-    def _grammar_parts(sampling: SamplingParams) -> Optional[Dict[str, Any]]:
-        """The gateway's grammar processor as ``{"json": schema}`` or
-        ``{"grammar": lark}`` (its llguidance spec); other processors
-        cannot run in a backend that samples by itself."""
+    def _check_processors(sampling: SamplingParams) -> Optional[Any]:
+        """The one logits processor of a request, if any.  A backend that
+        samples by itself cannot call Python per token: a processor must
+        say what it constrains as a grammar, per request it starts
+        (``segment_grammar(n_generated)``: the gateway's grammars, forced
+        replays)."""
         procs = list(sampling.logits_processors)
         if not procs:
             return None
-        specs = [getattr(p, "spec", None) for p in procs]
-        if len(procs) > 1 or specs[0] is None:
+        if len(procs) > 1 or not callable(getattr(procs[0], "segment_grammar", None)):
             raise E.InvalidSampling("this engine takes logits processors only as grammars (the gateway's "
-                                    "constrained decoding); arbitrary Python processors cannot run in it")
-        grammars = json.loads(specs[0]).get("grammars") or []
-        if len(grammars) == 1 and "json_schema" in grammars[0]:
-            return {"json": grammars[0]["json_schema"]}
-        if len(grammars) == 1 and "lark_grammar" in grammars[0]:
-            return {"grammar": grammars[0]["lark_grammar"]}
-        raise E.InvalidSampling("this grammar has several parts; the engine takes a Lark grammar or a JSON schema")
+                                    "constrained decoding, forced replays); arbitrary Python processors "
+                                    "cannot run in it")
+        return procs[0]
+
+    def _segment_grammar(self, gen: "_Gen") -> Any:
+        """The backend grammar of the request that decodes from here on."""
+        proc = self._check_processors(gen.sampling)
+        if proc is None:
+            return None
+        try:
+            parts = proc.segment_grammar(len(gen.generated))
+        except Exception as e:  # noqa: BLE001  (the processor's own refusal, e.g. a grammar cut by a pause)
+            raise E.InvalidSampling(str(e)) from e
+        return None if parts is None else self._grammar(parts)
 
     @staticmethod
     def _extra(ctx: "_Context", hint: Optional[RequestHint]) -> Dict[str, Any]:
@@ -485,7 +491,7 @@ class RequestEngine:
             if not isinstance(hint, RequestHint):
                 raise E.InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
             hint.validate()
-        grammar = self._grammar(sampling)
+        self._check_processors(sampling)
         if parent_id is not None:
             parent = self._new_context(cid, parent_id)
             if not parent.token_ids:
@@ -499,26 +505,30 @@ class RequestEngine:
         n = len((parent or ctx).token_ids)
         if n >= self.max_model_len:
             raise E.ContextTooLong(f"context of {n} tokens leaves no room to generate (limit {self.max_model_len})")
+        from .native.tokenizer import IncrementalDetokenizer
+
+        detok = IncrementalDetokenizer(self.tokenizer, (parent or ctx).token_ids, sampling.skip_special_tokens)
+        gen = _Gen(sampling, emit, detok, hint)
+        gen.grammar = self._segment_grammar(gen)  # refused here, before any state changes, if it cannot run
         if ctx is None:
             ctx = self._fork(cid, parent)
         ctx.parked = None
         if hint is not None:
             ctx.hint = hint
-        from .native.tokenizer import IncrementalDetokenizer
-
-        detok = IncrementalDetokenizer(self.tokenizer, ctx.token_ids, sampling.skip_special_tokens)
-        gen = ctx.gen = _Gen(sampling, emit, detok, hint, grammar=grammar)
+        ctx.gen = gen
         gen.task = self._loop.create_task(self._segment(ctx, gen))
         return gen
 
     async def _segment(self, ctx: _Context, gen: _Gen) -> None:
-        """Decode with one vLLM request until the stream finishes or pauses."""
+        """Decode with one backend request until the stream finishes or pauses."""
         sp = gen.sampling
         room = self.max_model_len - len(ctx.token_ids)
         max_tokens = min(sp.max_tokens - len(gen.generated), room)
         rid = f"{self.name}-{next(_ids)}"
         prompt = list(ctx.token_ids)
         try:
+            if gen.generated:  # a resumed stream: what its processor constrains from here on
+                gen.grammar = self._segment_grammar(gen)
             async with contextlib.aclosing(self._open(rid, prompt, sp, max_tokens, self._extra(ctx, gen.hint),
                                                       gen.grammar)) as stream:
                 async for chunk in stream:

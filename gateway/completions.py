@@ -163,6 +163,9 @@ class FirstRoundOnly:
     def __call__(self, generated: Any, logits: Any) -> Any:
         return self.proc(generated, logits) if self.active else logits
 
+    def segment_grammar(self, n_generated: int) -> Any:
+        return self.proc.segment_grammar(n_generated) if self.active else None
+
 
 @dataclass
 class _Call:

@@ -521,6 +521,20 @@ class GrammarProcessor:
         self.overhead_s = 0.0
         self._eos_only: Optional[np.ndarray] = None
 
+    def segment_grammar(self, n_generated: int) -> Dict[str, Any]:
+        """For engines that sample by themselves (vLLM's structured outputs):
+        the grammar as ``{"json": schema}`` or ``{"grammar": lark}``.  Such
+        an engine starts a grammar afresh with each request, so it can only
+        be given at the start of the output."""
+        if n_generated:
+            raise ConstraintViolation(f"this {self.kind} grammar cannot go on across a pause on this engine")
+        grammars = json.loads(self.spec or "{}").get("grammars") or []
+        if len(grammars) == 1 and "json_schema" in grammars[0]:
+            return {"json": grammars[0]["json_schema"]}
+        if len(grammars) == 1 and "lark_grammar" in grammars[0]:
+            return {"grammar": grammars[0]["lark_grammar"]}
+        raise ConstraintViolation(f"this {self.kind} grammar is not one Lark grammar or JSON schema")
+
     @property
     def done(self) -> bool:
         """The grammar is complete: nothing but EOS may follow."""

@@ -136,9 +136,10 @@ def test_engine_args_map_the_yaml_and_refuse_what_interlace_sets(smol_dir):
 
 
 def test_a_dead_engine_core_fails_streams_and_calls_with_engine_unavailable(smol_dir):
+    others = set(_engine_core_pids())  # other engines of this module: not to be killed
     eng = _engine(smol_dir)
     try:
-        before = set(_engine_core_pids())
+        before = set(_engine_core_pids()) - others
         assert before, "vLLM's engine core runs in a child process"
 
         async def go():
@@ -158,3 +159,34 @@ def test_a_dead_engine_core_fails_streams_and_calls_with_engine_unavailable(smol
         assert not eng.alive
     finally:
         eng.close()
+
+
+def test_a_forced_replay_runs_as_a_token_grammar_across_pauses(sjf_engine):
+    """interlace.replay / the trace benchmark force recorded tokens: on vLLM
+    they become a grammar of token ids per request (decoded at full cost),
+    moving to the next piece after each resume, as on the native engine."""
+    from interlace.engine_ext.forced import ForcedOutput
+
+    tok = sjf_engine.tokenizer
+    pieces = [tok.encode(" The weather tool says"), tok.encode(" sunny and warm today.")]
+    forced = ForcedOutput(pieces, end_token_id=min(tok.eos_token_ids))
+    tool = tok.encode(" [tool result]")
+
+    async def go():
+        await sjf_engine.fill("f", tok.encode("Question: weather?"))
+        got = []
+        async for ev in sjf_engine.generate("f", SamplingParams(max_tokens=40, pause_on=["says"],
+                                                                logits_processors=[forced])):
+            got.append(ev.token_id)
+            if ev.paused:
+                forced.on_resume()
+                await sjf_engine.resume("f", tool)
+            last = ev
+        ctx = await sjf_engine.context_tokens("f")
+        await sjf_engine.free_context("f")
+        return got, last.finish_reason, ctx
+
+    got, reason, ctx = asyncio.run(go())
+    assert reason == "stop"
+    assert got[:-1] == pieces[0] + pieces[1]
+    assert ctx[-len(pieces[1]) - 1 - len(tool):-len(pieces[1]) - 1] == tool

@@ -94,11 +94,8 @@ class VLLMEngine(RequestEngine):
         finally:
             await stream.aclose()  # aborts the vLLM request if it is still running
 
-    def _grammar(self, sampling: SamplingParams) -> Optional[Any]:
+    def _grammar(self, parts: Dict[str, Any]) -> Any:
         """vLLM runs grammars itself (structured outputs, llguidance backend)."""
-        parts = self._grammar_parts(sampling)
-        if parts is None:
-            return None
         from vllm.sampling_params import StructuredOutputsParams
 
         return StructuredOutputsParams(**parts)
