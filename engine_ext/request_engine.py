@@ -468,17 +468,21 @@ class RequestEngine:
         start = len(ctx.token_ids)
         ctx.token_ids += tokens
         ctx.busy += 1
-        try:
-            await self._prefill(ctx, hint)
-        except asyncio.CancelledError:  # undo: the caller may retry
+
+        def undo() -> None:  # unless something built on it meanwhile
             if self.contexts.get(cid) is ctx and ctx.gen is None and len(ctx.token_ids) == start + len(tokens):
                 if created and not ctx.children:
                     self._drop(ctx)
                 else:
                     del ctx.token_ids[start:]
                     ctx.computed = min(ctx.computed, start)
+        try:
+            await self._prefill(ctx, hint)
+        except asyncio.CancelledError:  # the caller may retry
+            undo()
             raise
-        except Exception as e:
+        except Exception as e:  # a typed error leaves the engine as before the call
+            undo()
             raise self._translate(e) from e
         finally:
             ctx.busy -= 1

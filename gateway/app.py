@@ -215,10 +215,10 @@ def load_replica(spec: ModelSpec, r: Dict[str, Any], where: str = "", label: str
         load_vllm_engine = _optional(where, kind, "..engine_ext.vllm", "load_vllm_engine")
         model = r.get("model", spec.path)
         model = str(embedded_model_dir()) if model == "embedded" else model
-        return load_vllm_engine({**r, "model": model}, model, spec.policy)
+        return load_vllm_engine({**r, "model": model}, model, spec.policy, name=label)
     if kind == "openai":
         load_openai_engine = _optional(where, kind, "..engine_ext.openai_http", "load_openai_engine")
-        return load_openai_engine(dict(r), path)
+        return load_openai_engine(dict(r), path, spec.policy, name=label)
     raise ConfigError(f"{where}.kind: unknown engine kind {kind!r}")
 
 

@@ -386,13 +386,11 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
 def engine_dict(engine: Union[str, Dict[str, Any]], path: str, native_args: Dict[str, Any]) -> Dict[str, Any]:
     """One replica's engine, normalized: ``{"kind": ..., ...}``; a native one gets the model-level
     native settings under its own and ``worker`` (default thread), an openai one its ``model``
-    (default: the last component of the model's path)."""
+    when set (default: the only model its server serves)."""
     e = {"kind": engine} if isinstance(engine, str) else dict(engine)
     if e["kind"] == "native":
         e = {"kind": "native", "worker": e.get("worker", "thread"), **native_args,
              **{k: v for k, v in e.items() if k not in ("kind", "worker")}}
-    elif e["kind"] == "openai":
-        e.setdefault("model", os.path.basename(path.rstrip("/\\")) or path)
     return e
 
 

@@ -528,7 +528,10 @@ class GrammarProcessor:
         be given at the start of the output."""
         if n_generated:
             raise ConstraintViolation(f"this {self.kind} grammar cannot go on across a pause on this engine")
-        grammars = json.loads(self.spec or "{}").get("grammars") or []
+        try:
+            grammars = json.loads(self.spec or "{}").get("grammars") or []
+        except ValueError:  # llguidance keeps a Lark grammar as its text (some versions)
+            return {"grammar": self.spec}
         if len(grammars) == 1 and "json_schema" in grammars[0]:
             return {"json": grammars[0]["json_schema"]}
         if len(grammars) == 1 and "lark_grammar" in grammars[0]:
