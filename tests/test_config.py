@@ -144,7 +144,7 @@ def test_engine_objects_and_replicas():
     assert two.replicas == [{**native, "worker": "process", "kv_cache_tokens": 4096, "max_seqs": 8}] * 2
     assert mixed.engine == "native" and [r["kind"] for r in mixed.replicas] == ["native", "vllm", "openai"]
     assert mixed.replicas[1] == {"kind": "vllm", "tensor_parallel_size": 2, "args": {"swap_space": 4}}
-    assert mixed.replicas[2]["model"] == "Llama-3.1-8B"  # the remote model's name defaults to the path's last part
+    assert "model" not in mixed.replicas[2]  # the remote model's name: the one its server serves
     vllm = parse_config({"models": {"m": {"path": "x", "engine": "vllm"}}}).models["m"]
     assert vllm.engine == "vllm" and vllm.replicas == [{"kind": "vllm"}]
 
