@@ -608,6 +608,9 @@ def add_trace_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--with-sim", action="store_true",
                     help="native: also simulate the same traces with the same profile, and print both orders "
                          "of the variants and the simulator/engine ratios (the simulator's validation)")
+    ap.add_argument("--engines", help="instead of policy variants: the same trace on these engines, comma-"
+                    "separated: vllm-server (stock vLLM over HTTP), vllm (vLLM in Interlace), native, native-x1, "
+                    "native-x2 (two worker replicas behind a ReplicaSet); see bench/engines_trace.py")
     ap.add_argument("--out-png", help="save the plot here")
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
                     help="write all results as JSON to PATH (bare --json: print the JSON instead of tables)")
@@ -660,6 +663,10 @@ def _run(args: argparse.Namespace) -> int:
             return tr
         return traces.Trace(tr.requests[:max(1, math.ceil(rate * args.duration))])
     dupes = same_as(names, variants)
+    if getattr(args, "engines", None):  # the same trace on different engines and replicas (bench/engines_trace.py)
+        from .engines_trace import run_engines
+
+        return run_engines(args, base, rates, per_rate)
     to_json = args.json == "-"
     out = sys.stderr if to_json else sys.stdout
     grid: Dict[float, Dict[str, Dict[str, Any]]] = {}
