@@ -99,8 +99,10 @@ class _Server:
                 self.proc.wait()
 
 
-def build_engine(name: str, model: str) -> tuple:
-    """(engine, close, notes) for an engine name of :data:`ENGINES`."""
+def build_engine(name: str, model: str, threads: int = 0) -> tuple:
+    """(engine, close, notes) for an engine name of :data:`ENGINES`.
+    ``threads``: torch threads of the in-process native engine (0: torch's
+    default); worker replicas split the CPUs between them."""
     from interlace.gateway.config import PolicySpec
 
     policy = PolicySpec()  # Interlace's defaults: infercept + lamps, profile auto
@@ -126,8 +128,12 @@ def build_engine(name: str, model: str) -> tuple:
     if name == "native":
         from interlace.engine_ext.native.setup import build_native_engine
 
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
         eng = build_native_engine(model, {"dtype": "float32", "kv_cache_tokens": 16384}, policy)
-        return eng, eng.close, "native, infercept + lamps"
+        return eng, eng.close, f"native in process, {torch.get_num_threads()} thread(s), infercept + lamps"
     from interlace.engine_ext.replicas import ReplicaSet
     from interlace.engine_ext.worker import ProcessEngine
 
@@ -152,13 +158,13 @@ def build_engine(name: str, model: str) -> tuple:
     return eng, close_all, f"{n} worker process(es), {threads} thread(s) each"
 
 
-def run_engine(name: str, model: str, trace: Any, seed: int) -> Dict[str, Any]:
+def run_engine(name: str, model: str, trace: Any, seed: int, threads: int = 0) -> Dict[str, Any]:
     from interlace.engine_ext.protocol import RequestHint
     from interlace.engine_ext.sim.metrics import summarize
 
     from .trace import _drive_request, _warm_up, mean_non_tool, mean_norm_latency, pause_marker
 
-    eng, close, note = build_engine(name, model)
+    eng, close, note = build_engine(name, model, threads)
     try:
         hint_cls = None if name == "vllm-server" else RequestHint  # stock vLLM knows nothing of the trace
         eos = getattr(eng, "eos_token_ids", None) or eng.tokenizer.eos_token_ids
@@ -202,9 +208,11 @@ def run_engines(args: Any, base: Any, rates: List[float], per_rate: Callable[[An
         grid[r] = {}
         for n in names:
             t = time.monotonic()
-            grid[r][n] = run_engine(n, model, tr, args.seed)
+            grid[r][n] = run_engine(n, model, tr, args.seed, args.threads)
             print(f"  [{n} @ {r:g} req/s: {time.monotonic() - t:.0f} s]", file=sys.stderr, flush=True)
         print_table(r, names, grid[r], {n: _Label(n) for n in names}, {})
+        for n in names:
+            print(f"  {n}: {'; '.join(grid[r][n]['notes'])}")
         first = grid[r][names[0]]
         for n in names[1:]:
             a, b = first.get("norm_latency_p50"), grid[r][n].get("norm_latency_p50")
