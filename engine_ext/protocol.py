@@ -215,5 +215,7 @@ class Engine(Protocol):
 
     async def computed_tokens(self, context_id: ContextId) -> int:
         """Tokens of the context whose KV is kept (on the device or swapped
-        out): what a follow-up extending it would not prefill again."""
+        out): what a follow-up extending it would not prefill again.  An
+        engine that keeps KV in a prefix cache of whole blocks only (the
+        vLLM engines: ``whole_blocks_only = True``) counts its whole blocks."""
         ...

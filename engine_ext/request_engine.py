@@ -110,6 +110,8 @@ class RequestEngine:
     vocab_size: int
     block_size: int = 16
     num_blocks: int = 0
+    #: KV lives in the backend's prefix cache, which keeps whole blocks only (see ``computed_tokens``)
+    whole_blocks_only = True
 
     def __init__(self, tokenizer: Any, *, name: str, interception: Any = None):
         self.name = name
@@ -305,9 +307,13 @@ class RequestEngine:
         self._closed = True
 
         async def shutdown() -> None:
-            for ctx in list(self.contexts.values()):
-                if ctx.gen is not None and not ctx.gen.done:
-                    self._fail(ctx, E.EngineClosed(f"the {self.name} engine was closed"))
+            for ctx in list(self.contexts.values()):  # running streams end with "abort", as on the native engine
+                gen = ctx.gen
+                if gen is not None and not gen.done:
+                    task, gen.task = gen.task, None
+                    self._finish(ctx, gen, "abort")
+                    if task is not None:
+                        task.cancel()
             await self._shutdown()
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=60)
@@ -348,10 +354,7 @@ class RequestEngine:
             return None
         if cid in self.contexts:
             raise E.ContextExists(f"context {cid!r} already exists; fork into a new id")
-        parent = self._get(parent_id)
-        if parent.state == "generating" or parent.busy:
-            raise E.ContextBusy(f"context {parent_id!r} is busy ({parent.state}); fork it when idle or paused")
-        return parent
+        return self._get(parent_id)  # a generating parent forks as it is now, as on the native engine
 
     def _fork(self, cid: Hashable, parent: _Context) -> _Context:
         parent.parked = None
