@@ -78,7 +78,7 @@ def _config(args: argparse.Namespace):
 def check_serve_config(cfg) -> None:
     """What can be checked before the server starts, so that a mistake is one clear line
     instead of a start-up traceback: plugins load and accept their settings, every
-    model's parser exists, every model path exists."""
+    model's parser exists, every model path exists, vLLM takes every vLLM engine's arguments."""
     from pathlib import Path
 
     from interlace.gateway.config import ConfigError
@@ -98,6 +98,18 @@ def check_serve_config(cfg) -> None:
     for spec in cfg.models.values():
         if spec.path != "embedded" and not Path(spec.path).exists():
             raise UserError(f"{cfg.source}: models.{spec.name}.path: {spec.path!r} does not exist")
+        for i, r in enumerate(spec.replicas or []):
+            if r.get("kind") != "vllm":
+                continue
+            where = f"{cfg.source}: models.{spec.name}." + (f"replicas[{i}]" if len(spec.replicas) > 1 else "engine")
+            try:  # vLLM's own argument checks, without starting it
+                from interlace.engine_ext.vllm import engine_args
+            except ImportError as e:
+                raise UserError(f"{where}: the vllm engine needs vLLM (pip install 'interlace[vllm]'): {e}") from e
+            try:
+                engine_args(r, spec.path, spec.policy)
+            except ValueError as e:
+                raise UserError(f"{where}: {e}") from e
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -190,3 +190,15 @@ def test_a_forced_replay_runs_as_a_token_grammar_across_pauses(sjf_engine):
     assert reason == "stop"
     assert got[:-1] == pieces[0] + pieces[1]
     assert ctx[-len(pieces[1]) - 1 - len(tool):-len(pieces[1]) - 1] == tool
+
+
+def test_serve_refuses_an_unknown_vllm_argument_in_one_line_before_starting():
+    from interlace.gateway.cli import UserError, check_serve_config
+    from interlace.gateway.config import parse_config
+
+    cfg = parse_config({"models": {"m": {"path": "embedded", "engine": {"kind": "vllm", "args": {"bogus_arg": 1}}}}},
+                       "f.yaml")
+    with pytest.raises(UserError, match=r"f.yaml: models.m.engine: engine.args: .*bogus_arg"):
+        check_serve_config(cfg)
+    ok = parse_config({"models": {"m": {"path": "embedded", "engine": {"kind": "vllm", "args": {"seed": 1}}}}})
+    check_serve_config(ok)

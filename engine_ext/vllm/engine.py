@@ -155,7 +155,17 @@ def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, pro
     if clash:
         raise ValueError(f"engine.args may not set {', '.join(clash)} (Interlace sets them)")
     kw.update(extra)
-    return AsyncEngineArgs(**kw)
+    try:
+        return AsyncEngineArgs(**kw)
+    except TypeError as e:  # an unknown vLLM argument in engine.args
+        raise ValueError(f"engine.args: {e} (see `vllm serve --help` for vLLM {_version()}'s engine arguments)") \
+            from None
+
+
+def _version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
 
 
 def load_vllm_engine(engine: Dict[str, Any], model_path: str, policy: Any = None, *, name: str = "vllm") -> VLLMEngine:
