@@ -96,3 +96,36 @@ def test_response_format_json_schema(client):
                                        response_format={"type": "json_schema", "json_schema": {
                                            "name": "answer", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_semantic_variables_dag_equals_the_native_engines(live):
+    """Parrot's DAG (a shared prefix, two branches, a join) runs server-side
+    on vLLM -- forks, fills and frees through the protocol -- with the native
+    engine's greedy values."""
+    import httpx
+
+    def run(model):
+        with httpx.Client(base_url=live.url, timeout=180) as http:
+            r = http.post("/v1/sessions", json={}, headers={"Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 201, r.text
+            sid, h = r.json()["id"], {"Authorization": f"Bearer {r.json()['token']}"}
+
+            def llm(template, inputs):
+                out = {"out": {"sampling": {"max_tokens": 6, "temperature": 0}}}
+                r = http.post(f"/v1/sessions/{sid}/calls", headers=h,
+                              json={"model": model, "template": template, "inputs": inputs, "outputs": out})
+                assert r.status_code == 201, r.text
+                return r.json()["outputs"]["out"]
+
+            r = http.post(f"/v1/sessions/{sid}/variables", json={"value": "green tea"}, headers=h)
+            topic = r.json()["id"]
+            a = llm("Topic: {{input:t}}. One word about it: {{output:out}}", {"t": topic})
+            b = llm("Topic: {{input:t}}. Another word: {{output:out}}", {"t": topic})
+            d = llm("Words: {{input:a}} and {{input:b}}. Joined: {{output:out}}", {"a": a, "b": b})
+            values = [http.get(f"/v1/sessions/{sid}/variables/{v}", headers=h).json()["value"] for v in (a, b, d)]
+            assert http.delete(f"/v1/sessions/{sid}", headers=h).status_code == 200
+            return values
+
+    values = run("vllm")
+    assert all(isinstance(v, str) and v for v in values), values
+    assert values == run("native")
