@@ -22,6 +22,11 @@ class ForcedOutput:
     argument) does not replay the rest of its recording.  Uses only tensor
     methods, so it works with any engine's tensor type.  Past the end of the
     recording (without an end token) it leaves the logits alone.
+
+    It pickles as it is (plain state), so a worker-process engine
+    (:class:`~interlace.engine_ext.worker.ProcessEngine`) runs a copy of it;
+    ``resumes`` counts the :meth:`on_resume` calls, which is how that engine
+    passes them on to its copy.
     """
 
     def __init__(self, pieces: Sequence[Sequence[int]], end_token_id: Optional[int] = None):
@@ -31,9 +36,11 @@ class ForcedOutput:
         self.piece = 0
         self.base = 0          # generated tokens before the current piece
         self._advance = False
+        self.resumes = 0       # on_resume() calls (ProcessEngine replays them on its copy)
 
     def on_resume(self) -> None:
         self._advance = True
+        self.resumes += 1
 
     def _sync(self, n: int) -> None:
         """Move to the piece the ``n``-th generated token belongs to."""

@@ -20,10 +20,9 @@ every later call.  A caller cancelled while waiting has its call cancelled in
 the child too, so cancellation means what it means in process (a cancelled
 fill is undone, a cancelled or abandoned stream aborted).
 
-Logits processors are callables that hold state the parent keeps using (the
-gateway's grammar matchers, ``on_resume`` calls between rounds); they are not
-shipped to the child: a ``generate`` whose sampling has any raises
-:class:`InvalidSampling`.
+Logits processors run in the child, on copies shipped when a stream starts;
+``on_resume()`` calls on the caller's processors reach the copies at the
+next ``resume`` (see :class:`ProcessEngine`).
 
 "spawn" starts a fresh interpreter that imports the parent's main module
 (as ``__mp_main__``): a script that starts workers must do so under
@@ -36,6 +35,7 @@ parent closes it) and exits when the parent goes away (the pipe closes).
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import itertools
 import logging
@@ -66,6 +66,20 @@ _ASYNC_CALLS = frozenset({"free_context", "pause", "resume", "park", "truncate",
                           "check_invariants", "context_length", "context_tokens"})
 #: Non-blocking engine calls nobody waits for (their errors are logged in the child).
 _POSTS = frozenset({"free_context_nowait", "set_pause_hint", "set_request_hint"})
+
+#: The engine this process serves as a worker (set in the child only).
+_serving: Any = None
+
+
+def serving_engine() -> Any:
+    """The :class:`NativeEngine` this process runs as a :class:`ProcessEngine`
+    worker, None in any other process.  Logits processors rebuilt in the
+    worker when they are unpickled use it (its ``tokenizer``)."""
+    return _serving
+
+
+def _processor_name(proc: Any) -> str:
+    return getattr(proc, "__qualname__", None) or type(proc).__qualname__
 
 
 # ================================================================= errors across the pipe
@@ -151,7 +165,25 @@ class ProcessEngine:
     :meth:`start`.  ``tokenizer`` is loaded in this process from the model
     directory the child resolved; ``vocab_size``, ``max_model_len``,
     ``block_size``, ``eos_token_ids`` and the engine's ``name`` come from the
-    child at start-up."""
+    child at start-up.
+
+    Logits processors: ``generate`` pickles each one and the child runs its
+    copy.  A processor holding what does not pickle gives a recipe instead
+    (``__reduce__``): the gateway's ``GrammarProcessor`` rebuilds itself from
+    its grammar spec for the engine's tokenizer (:func:`serving_engine`).
+    One that cannot be pickled, or rebuilt in the child, makes ``generate``
+    raise :class:`InvalidSampling` naming it, before anything changes.  The
+    caller's objects stay in this process and never see a token: their state
+    (a grammar's parse, ``steps``, ``done``) stays as it was when the stream
+    started.  Between rounds callers call ``on_resume()`` on their
+    processors, then :meth:`resume`.  So that the child's copies see those
+    calls, a processor with ``on_resume`` counts them in an int attribute
+    ``resumes`` (``ForcedOutput`` and the gateway's ``FirstRoundOnly`` do;
+    one without it is refused), and :meth:`resume` first makes on the
+    child's copies (of the context's stream) the calls made on the caller's
+    since the stream started or the previous resume.  A resume without
+    ``on_resume`` (a spurious pause resumed with nothing) leaves them alone,
+    as in process."""
 
     def __init__(self, process: Any, conn: Any, info: Dict[str, Any], tokenizer: Any, label: str):
         self.process = process
@@ -170,6 +202,8 @@ class ProcessEngine:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # _calls, _dead, _closed
         self._calls: Dict[int, _Call] = {}
+        #: context id -> its streams' processors with on_resume: [[index, processor, resumes passed on], ...]
+        self._streams: Dict[Hashable, List[List[List[Any]]]] = {}
         self._ids = itertools.count(1)
         self._closed = False
         self._dead: Optional[str] = None  # why the child is gone (None: alive as far as we know)
@@ -235,17 +269,23 @@ class ProcessEngine:
     async def generate(self, context_id: Hashable, sampling: Optional[SamplingParams] = None,
                        parent_context_id: Optional[Hashable] = None,
                        hint: Optional[RequestHint] = None) -> AsyncIterator[TokenEvent]:
+        """As :meth:`NativeEngine.generate`; logits processors run on copies
+        in the child (see the module doc)."""
         sampling = sampling or SamplingParams()
-        if sampling.logits_processors:
-            raise E.InvalidSampling(
-                f"engine {self.name!r}: this engine runs in a worker process and cannot take logits processors "
-                "(constrained decoding, forced output); serve the model in process for them")
+        procs, blobs, hooked = self._pack_processors(sampling)
+        if procs:
+            sampling = copy.copy(sampling)  # shipped apart: a processor the child cannot rebuild is named
+            sampling.logits_processors = ()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         call_id = self._open(_Call(loop, queue=queue))
         finished = False
+        stream = [[i, p, p.resumes] for i, p in hooked]
+        if stream:
+            with self._lock:
+                self._streams.setdefault(context_id, []).append(stream)
         try:
-            self._send(("gen", call_id, (context_id, sampling, parent_context_id, hint)))
+            self._send(("gen", call_id, (context_id, sampling, parent_context_id, hint, blobs)))
             while True:
                 kind, item = await queue.get()
                 if kind == "ev":
@@ -261,8 +301,34 @@ class ProcessEngine:
                     raise item
         finally:
             self._forget(call_id)
+            if stream:
+                with self._lock:
+                    streams = [s for s in self._streams.get(context_id, ()) if s is not stream]
+                    if streams:
+                        self._streams[context_id] = streams
+                    else:
+                        self._streams.pop(context_id, None)
             if not finished:  # consumer stopped early or was cancelled: abort it in the child
                 self._post_quiet(("cancel", call_id, None))
+
+    def _pack_processors(self, sampling: SamplingParams) -> tuple:
+        """(processors, each pickled, those with ``on_resume`` as (index,
+        processor)); InvalidSampling for one that cannot go to the child."""
+        procs = list(sampling.logits_processors or ())
+        blobs: List[bytes] = []
+        hooked = []
+        for i, proc in enumerate(procs):
+            what = f"engine {self.name!r}: logits processor {i} ({_processor_name(proc)})"
+            if callable(getattr(proc, "on_resume", None)):
+                if not isinstance(getattr(proc, "resumes", None), int):
+                    raise E.InvalidSampling(f"{what} has on_resume() but no int `resumes` counting its calls: "
+                                            "this engine runs it in a worker process and could not pass them on")
+                hooked.append((i, proc))
+            try:
+                blobs.append(pickle.dumps(proc, protocol=pickle.HIGHEST_PROTOCOL))
+            except Exception as e:  # noqa: BLE001  (PicklingError, TypeError, AttributeError, a recipe's own)
+                raise E.InvalidSampling(f"{what} cannot be sent to the worker process: {e}") from e
+        return procs, blobs, hooked
 
     async def free_context(self, context_id: Hashable) -> None:
         await self._call("free_context", context_id)
@@ -276,7 +342,23 @@ class ProcessEngine:
         await self._call("pause", context_id, hint)
 
     async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
-        await self._call("resume", context_id, list(token_ids))
+        """As :meth:`NativeEngine.resume`; first the child's copies of the
+        stream's processors get the ``on_resume()`` calls made on the
+        caller's since the stream started or the previous resume."""
+        await self._call("resume", context_id, list(token_ids), self._resumes_to_pass(context_id))
+
+    def _resumes_to_pass(self, context_id: Hashable) -> List[tuple]:
+        """[(processor index, on_resume calls)] not passed on yet, for the context's latest stream."""
+        out = []
+        with self._lock:
+            streams = self._streams.get(context_id)
+            for entry in streams[-1] if streams else ():
+                i, proc, passed = entry
+                n = int(proc.resumes) - passed
+                if n > 0:
+                    out.append((i, n))
+                    entry[2] = passed + n
+        return out
 
     def set_pause_hint(self, context_id: Hashable, hint: PauseHint) -> None:
         if not isinstance(hint, PauseHint):
@@ -524,6 +606,7 @@ def _load_tokenizer(model_dir: Path) -> Any:
 def _child_main(conn: Any, native_kwargs: Dict[str, Any], policy: Any, name: str, log_level: int) -> None:
     """The worker process: build the engine, say so, serve until told to stop
     or the parent goes away."""
+    global _serving
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent closes us
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s")
@@ -565,6 +648,7 @@ def _child_main(conn: Any, native_kwargs: Dict[str, Any], policy: Any, name: str
             "inner_ranking": (type(engine.scheduler.ranking.inner).__name__
                               if hasattr(engine.scheduler.ranking, "inner") else None),
             "torch_threads": torch.get_num_threads(), "stats": _engine_load(engine)}
+    _serving = engine
     try:
         send("ready", None, info)
         asyncio.run(_ChildServer(engine, conn, send).serve())
@@ -591,6 +675,7 @@ class _ChildServer:
         self.engine, self.conn, self._send = engine, conn, send
         self.tasks: Dict[int, asyncio.Task] = {}
         self.fills: Dict[int, Any] = {}  # call id -> FillOp of fills answered in the last KEEP_FILL_S
+        self.streams: Dict[Any, List[List[Any]]] = {}  # context id -> its streams' logits processors
         self.parent_gone = False
 
     def send(self, kind: str, call_id: Optional[int], payload: Any) -> None:
@@ -691,6 +776,8 @@ class _ChildServer:
                 result = await self.fill(call_id, *args)
             elif method == "stats":
                 result = await self.stats()
+            elif method == "resume":
+                result = await self.resume(*args)
             elif method == "last_logits":
                 lg = await self.engine.last_logits(*args)
                 result = None if lg is None else lg.float().cpu().numpy()
@@ -735,9 +822,31 @@ class _ChildServer:
                 self.send("stats", None, stats)
                 last = stats
 
+    async def resume(self, context_id: Any, tokens: List[int], hooks: Sequence[tuple] = ()) -> None:
+        """:meth:`NativeEngine.resume`, after the ``on_resume()`` calls the
+        caller made on its processors, on this stream's copies of them."""
+        streams = self.streams.get(context_id)
+        if streams:
+            procs = streams[-1]
+            for i, n in hooks:
+                if i < len(procs):
+                    for _ in range(n):
+                        procs[i].on_resume()
+        await self.engine.resume(context_id, tokens)
+
     async def generate(self, call_id: int, context_id: Any, sampling: SamplingParams, parent_id: Any,
-                       hint: Optional[RequestHint]) -> None:
+                       hint: Optional[RequestHint], blobs: Sequence[bytes] = ()) -> None:
+        procs: List[Any] = []
         try:
+            for i, blob in enumerate(blobs):  # the processors, rebuilt here
+                try:
+                    procs.append(pickle.loads(blob))
+                except Exception as e:  # noqa: BLE001
+                    raise E.InvalidSampling(f"engine {self.engine.name!r}: logits processor {i} cannot be rebuilt "
+                                            f"in the worker process: {e!r}") from e
+            if procs:
+                sampling.logits_processors = procs
+                self.streams.setdefault(context_id, []).append(procs)
             async for ev in self.engine.generate(context_id, sampling, parent_id, hint):
                 self.send("ev", call_id, ev)
         except asyncio.CancelledError:
@@ -746,6 +855,13 @@ class _ChildServer:
             self.send("err", call_id, _pack_error(e))
         else:
             self.send("end", call_id, None)
+        finally:
+            if procs:
+                streams = [s for s in self.streams.get(context_id, ()) if s is not procs]
+                if streams:
+                    self.streams[context_id] = streams
+                else:
+                    self.streams.pop(context_id, None)
 
     async def stats(self) -> Dict[str, int]:
         return _engine_load(self.engine)

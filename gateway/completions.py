@@ -151,14 +151,17 @@ class CompletionPlan:
 class FirstRoundOnly:
     """Wraps a logits processor so it stops applying once server-side tool
     results have been appended (``tool_choice="required"`` forces the first
-    call, not the final answer)."""
+    call, not the final answer).  ``resumes`` counts the :meth:`on_resume`
+    calls (a worker-process engine replays them on its copy)."""
 
     def __init__(self, proc: Any):
         self.proc = proc
         self.active = True
+        self.resumes = 0
 
     def on_resume(self) -> None:
         self.active = False
+        self.resumes += 1
 
     def __call__(self, generated: Any, logits: Any) -> Any:
         return self.proc(generated, logits) if self.active else logits

@@ -35,6 +35,7 @@ with a truncated document, as with OpenAI.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import threading
 import time
@@ -505,6 +506,14 @@ class GrammarProcessor:
 
     ``steps`` and ``overhead_s`` (total time spent in calls) are kept for
     metrics and benchmarks.
+
+    The matcher does not pickle; the processor pickles as a recipe (its
+    ``spec``, ``kind``, EOS ids, vocabulary size and whether it has a
+    :class:`KeyGuard`) that rebuilds a fresh processor in an engine worker
+    process (:class:`~interlace.engine_ext.worker.ProcessEngine`) through a
+    per-process :class:`GrammarCompiler` for that engine's tokenizer.  Only a
+    processor that has not started can be shipped (the parse state stays
+    behind).
     """
 
     def __init__(self, matcher: Any, eos_token_ids: Sequence[int], vocab_size: int, *, kind: str = "grammar",
@@ -520,6 +529,15 @@ class GrammarProcessor:
         self.steps = 0
         self.overhead_s = 0.0
         self._eos_only: Optional[np.ndarray] = None
+
+    def __reduce__(self) -> Tuple[Any, tuple]:
+        if self.spec is None:
+            raise TypeError(f"this {self.kind} GrammarProcessor has no grammar spec to rebuild it from")
+        if self.consumed or self.steps:
+            raise TypeError(f"this {self.kind} GrammarProcessor has started ({self.steps} steps): "
+                            "its parse state cannot be shipped")
+        return _rebuild_processor, (self.spec, self.kind, tuple(self.eos_token_ids), self.vocab_size,
+                                    self.key_guard is not None)
 
     def segment_grammar(self, n_generated: int) -> Dict[str, Any]:
         """For engines that sample by themselves (vLLM's structured outputs):
@@ -599,3 +617,40 @@ class GrammarProcessor:
         if not bits.any():
             raise ConstraintViolation(f"{self.kind} constraint allows no token after {self.consumed} tokens")
         return bits
+
+
+# ============================================================ processors in worker processes
+_compilers: Dict[Tuple[int, int, Tuple[int, ...]], GrammarCompiler] = {}
+_compilers_lock = threading.Lock()
+
+
+def _process_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Tuple[int, ...]) -> GrammarCompiler:
+    """This process's compiler for ``tokenizer`` (built on first use, then cached)."""
+    key = (id(tokenizer), vocab_size, eos_token_ids)  # the compiler holds the tokenizer: the id stays its own
+    with _compilers_lock:
+        gc = _compilers.get(key)
+        if gc is None:
+            gc = _compilers[key] = GrammarCompiler(tokenizer, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+        return gc
+
+
+def _rebuild_processor(spec: str, kind: str, eos_token_ids: Tuple[int, ...], vocab_size: int,
+                       key_guard: bool) -> GrammarProcessor:
+    """Unpickle a :class:`GrammarProcessor` (its ``__reduce__``): a fresh
+    one for the same grammar, built for the tokenizer of the engine this
+    worker process serves."""
+    from ..engine_ext.worker import serving_engine
+
+    engine = serving_engine()
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        raise RuntimeError("a GrammarProcessor is rebuilt only in an engine worker process whose model has a "
+                           "tokenizer" + ("" if engine is None else f" (engine {engine.name!r} has none)"))
+    gc = _process_compiler(tokenizer, vocab_size, tuple(eos_token_ids))
+    if (gc.vocab_size, gc.eos_token_ids) != (vocab_size, tuple(eos_token_ids)):
+        raise RuntimeError(f"this {kind} grammar was built for another tokenizer (vocabulary {vocab_size}, "
+                           f"EOS {list(eos_token_ids)}; the engine's: {gc.vocab_size}, {list(gc.eos_token_ids)})")
+    grammar = gc.compile(spec, kind)
+    if (grammar.kind, grammar.unique_keys) != (kind, key_guard):  # the cache holds it under another kind
+        grammar = dataclasses.replace(grammar, kind=kind, unique_keys=key_guard)
+    return gc.processor(grammar)

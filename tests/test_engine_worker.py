@@ -222,16 +222,32 @@ def test_cancellation_aborts_streams_and_undoes_fills(worker):
     run(go())
 
 
-def test_logits_processors_and_unpicklable_arguments_are_refused(worker):
+class _ResumesUncounted:
+    """A processor with on_resume() but no ``resumes`` count: its calls could not reach the child's copy."""
+
+    def on_resume(self):
+        pass
+
+    def __call__(self, generated, logits):
+        return logits
+
+
+def test_unpicklable_processors_and_arguments_are_refused_before_anything_changes(worker):
     async def go():
         await worker.fill("l", prompt(4))
-        sp = SamplingParams(max_tokens=2, logits_processors=[ForcedOutput([[5, 6]])])
-        with pytest.raises(E.InvalidSampling, match="worker process and cannot take logits processors"):
-            await anext(aiter(worker.generate("l", sp)))
+        for proc, match in ((lambda generated, logits: logits, r"logits processor 1 \(\S*<lambda>\) cannot be sent"),
+                            (_ResumesUncounted(), r"processor 1 \(_ResumesUncounted\) has on_resume\(\) but no")):
+            sp = SamplingParams(max_tokens=2, logits_processors=[ForcedOutput([[5, 6]]), proc])
+            with pytest.raises(E.InvalidSampling, match=match):
+                await anext(aiter(worker.generate("l", sp)))
+            assert await worker.context_tokens("l") == prompt(4) and not worker._streams  # nothing changed
         with pytest.raises(TypeError, match="cannot be sent to the worker process"):
             await worker.fill(lambda: 0, [1])  # hashable, not picklable
-        assert await worker.context_length("l") == 4  # the worker goes on
+        # the context is idle: a forced stream runs on it
+        sp = SamplingParams(max_tokens=3, ignore_eos=True, logits_processors=[ForcedOutput([[5, 6, 7]])])
+        assert [ev.token_id async for ev in worker.generate("l", sp)] == [5, 6, 7]
         await worker.free_context("l")
+        assert (await worker.check_invariants())["contexts"] == 0
 
     run(go())
 
@@ -280,6 +296,142 @@ def test_start_errors_are_raised_in_the_parent(tmp_path):
     with pytest.raises(ModelNotFound, match="neither a model directory nor a .gguf"):
         ProcessEngine.start({"path": str(tmp_path / "nothing")}, name="bad")
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+# ------------------------------------------------ logits processors (SmolLM2: pause_on needs a tokenizer)
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                           "country": {"type": "string", "maxLength": 24}},
+          "required": ["city", "country"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def smol_worker():
+    eng = ProcessEngine.start({"path": "embedded", "kv_cache_tokens": 8192}, name="smol-procs")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def grammars(smol_worker):
+    from interlace.gateway.constrained import GrammarCompiler
+
+    return GrammarCompiler(smol_worker.tokenizer, vocab_size=smol_worker.vocab_size)
+
+
+def chat_ids(eng, text):
+    return eng.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+async def run_rounds(eng, cid, ids, sampling, on_pause):
+    """Fill, generate; at each pause ``on_pause(n)`` (the pause's number)
+    returns the tokens to resume with.  Returns (events, the pauses' event indices)."""
+    await eng.fill(cid, ids)
+    events, pauses = [], []
+    try:
+        async for ev in eng.generate(cid, sampling):
+            events.append(ev)
+            if ev.paused:
+                pauses.append(len(events))
+                await eng.resume(cid, on_pause(len(pauses)))
+    finally:
+        await eng.free_context(cid)
+    return events, pauses
+
+
+def test_forced_output_across_a_pause_equals_the_in_process_engine(smol_worker, smol_engine):
+    """Two pieces with a pause between them: the caller's on_resume() moves
+    the child's copy to the next piece (the rest of the first, cut short, is
+    not replayed); a second pause resumed without on_resume() changes nothing."""
+    tok = smol_worker.tokenizer
+    first, second = tok.encode("Let me look it up.</tool> and more"), tok.encode(" It is sunny.</tool> Done.")
+    cut = next(k for k in range(1, len(first) + 1) if "</tool>" in tok.decode(first[:k]))
+    assert cut < len(first)
+    eos = min(tok.eos_token_ids)
+    ids = chat_ids(smol_worker, "What is the weather?")
+
+    def replay(eng, cid):
+        forced = ForcedOutput([first, second], eos)
+
+        def on_pause(n):
+            if n == 1:  # a tool round: the recording moves on
+                forced.on_resume()
+                return tok.encode(" [sunny, 24 C] ")
+            return []   # a spurious pause: resumed with nothing, no on_resume
+
+        sp = SamplingParams(max_tokens=60, pause_on=["</tool>"], logits_processors=[forced])
+        events, pauses = run(run_rounds(eng, cid, ids, sp, on_pause))
+        return [e.token_id for e in events if e.token_id is not None], events[-1].finish_reason, len(pauses), forced
+
+    mine, reason, n_pauses, forced = replay(smol_worker, "forced")
+    assert (mine, reason, n_pauses) == replay(smol_engine, "forced-ref")[:3]
+    assert mine == first[:cut] + second + [eos] and reason == "stop" and n_pauses == 2
+    assert (forced.piece, forced.resumes) == (0, 1)  # the caller's copy saw the call, never a token
+
+
+def test_grammar_processor_output_is_valid_json_and_equals_the_in_process_engine(smol_worker, smol_engine,
+                                                                                   grammars):
+    import json
+    import pickle
+
+    import jsonschema
+
+    ids = chat_ids(smol_worker, "Describe Paris as JSON with its city and country.")
+    grammar = grammars.json_schema(SCHEMA)
+
+    def constrained(eng, cid):
+        proc = grammars.processor(grammar)
+        sp = SamplingParams(max_tokens=40, logits_processors=[proc])
+        events, _ = run(run_rounds(eng, cid, ids, sp, None))
+        return "".join(e.text for e in events), [e.token_id for e in events], events[-1].finish_reason, proc
+
+    text, tokens, reason, proc = constrained(smol_worker, "json")
+    ref_text, ref_tokens, ref_reason, used = constrained(smol_engine, "json-ref")
+    assert (text, tokens, reason) == (ref_text, ref_tokens, ref_reason)
+    assert reason == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert (proc.steps, proc.done) == (0, False) and used.steps > 0  # the caller's copy stays as it started
+    # one that has started cannot be shipped; a recipe rebuilds only in a worker process
+    with pytest.raises(E.InvalidSampling, match=r"processor 0 \(GrammarProcessor\) .* has started"):
+        run(_first_event(smol_worker, SamplingParams(max_tokens=4, logits_processors=[used]), ids))
+    with pytest.raises(RuntimeError, match="only in an engine worker process"):
+        pickle.loads(pickle.dumps(grammars.processor(grammar)))
+
+
+def test_first_round_only_constrains_until_the_resume_then_not(smol_worker, smol_engine, grammars):
+    import re
+
+    from interlace.gateway.completions import FirstRoundOnly
+
+    tok = smol_worker.tokenizer
+    ids = chat_ids(smol_worker, "Describe Paris as JSON with its city and country.")
+    grammar = grammars.lark('start: "<tool>" NAME "</tool>"\nNAME: /[a-z]{1,8}/\n')
+
+    def rounds(eng, cid):
+        proc = FirstRoundOnly(grammars.processor(grammar))
+
+        def on_pause(n):
+            proc.on_resume()
+            return tok.encode(" result: 42. ")
+
+        sp = SamplingParams(max_tokens=14, pause_on=["</tool>"], logits_processors=[proc])
+        events, pauses = run(run_rounds(eng, cid, ids, sp, on_pause))
+        return ["".join(e.text for e in events[:pauses[0]]), [e.token_id for e in events[pauses[0]:]],
+                pauses, events[-1].finish_reason]
+
+    mine = rounds(smol_worker, "first-round")
+    assert mine == rounds(smol_engine, "first-round-ref")
+    constrained, free, pauses, reason = mine
+    assert re.fullmatch(r"<tool>[a-z]{1,8}</tool>", constrained) and len(pauses) == 1
+    # after the resume the grammar (complete: EOS only) no longer applies: the model writes on
+    assert len(free) >= 3 and not set(free) <= smol_worker.eos_token_ids and reason == "length"
+
+
+async def _first_event(eng, sampling, ids):
+    await eng.fill("first", ids)
+    try:
+        return await anext(aiter(eng.generate("first", sampling)))
+    finally:
+        await eng.free_context("first")
 
 
 def test_smollm2_greedy_text_equals_the_in_process_engine_then_close(smol_engine):
