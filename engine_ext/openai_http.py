@@ -51,8 +51,8 @@ within ``timeout_s`` raises ``EngineUnavailable`` for that request only
 out).  A 4xx answer raises :class:`~engine_ext.errors.ContextTooLong` or
 :class:`~engine_ext.errors.InvalidSampling` with the server's message
 (401/403/404/429 -- a wrong key, an unloaded model, an overloaded proxy --
-a plain ``EngineError``).  A fill the server refuses keeps the tokens it
-appended (the base class undoes a fill only when it is cancelled).
+a plain ``EngineError``).  A fill the server refuses is undone, as a
+cancelled one is.
 
 What it cannot do
 -----------------

@@ -251,6 +251,11 @@ class ModelSpec:
     policy: PolicySpec = field(default_factory=PolicySpec)
     replicas: List[Dict[str, Any]] = field(default_factory=list)
 
+    def __repr__(self) -> str:  # never print a remote replica's secret
+        shown = [{k: ("***" if k == "api_key" else v) for k, v in r.items()} for r in self.replicas]
+        return (f"ModelSpec(name={self.name!r}, engine={self.engine!r}, path={self.path!r}, parser={self.parser!r}, "
+                f"engine_args={self.engine_args!r}, policy={self.policy!r}, replicas={shown!r})")
+
 
 #: A caller's server-tool permission: False (none), True (every enabled tool) or the tool names allowed.
 ServerTools = Union[bool, List[str]]

@@ -183,3 +183,10 @@ def test_engine_secrets_from_environment(monkeypatch):
     cfg = parse_config({"models": {"m": {"path": "x", "engine": {"kind": "openai", "url": "https://h/v1",
                                                                    "api_key": "os.environ/REMOTE_KEY"}}}})
     assert cfg.models["m"].replicas[0]["api_key"] == "s3cret"
+
+
+def test_a_remote_replicas_api_key_is_not_printed(monkeypatch):
+    monkeypatch.setenv("REMOTE_KEY", "s3cret-value")
+    cfg = parse_config({"models": {"m": {"path": "x", "engine": {"kind": "openai", "url": "https://h/v1",
+                                                                   "api_key": "os.environ/REMOTE_KEY"}}}})
+    assert "s3cret-value" not in repr(cfg.models["m"]) and "***" in repr(cfg.models["m"])
