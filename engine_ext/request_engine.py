@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator, Dict, Hashable, List, Optional, Sequence,
 
 from . import errors as E
 from .protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
+from .stream_text import token_text
 
 log = logging.getLogger(__name__)
 
@@ -570,42 +571,20 @@ class RequestEngine:
         return E.EngineError(f"{self.name}: {type(e).__name__}: {e}")
 
     def _on_token(self, ctx: _Context, gen: _Gen, tok: int, lp: Optional[float]) -> bool:
-        """The native engine's per-token rules (EOS, stop strings held back,
-        max_tokens, pause strings); True when this stream segment ends."""
-        from .native.engine import _held_suffix
-
+        """The native engine's per-token rules (:mod:`engine_ext.stream_text`);
+        True when this stream segment ends (finished or paused)."""
         sp = gen.sampling
         ctx.token_ids.append(tok)
         gen.generated.append(tok)
         is_eos = (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids
-        delta = gen.detok.add(tok) if not is_eos else ""
-        text = gen.held + delta
-        gen.held = ""
-        finish = "stop" if is_eos else None
-        by_string = False
-        if finish is None and sp.stop:
-            hits = [(text.find(s), s) for s in sp.stop if s in text]
-            if hits:
-                text, finish, by_string = text[:min(hits)[0]], "stop", True
-            else:
-                keep = _held_suffix(text, sp.stop)
-                if keep:
-                    text, gen.held = text[:-keep], text[-keep:]
-        if finish is None and (len(gen.generated) >= sp.max_tokens or len(ctx.token_ids) >= self.max_model_len):
-            finish = "length"
+        text, finish, pause = token_text(gen, tok, is_eos=is_eos, at_limit=len(ctx.token_ids) >= self.max_model_len)
         if finish is not None:
-            if not by_string:
-                text += gen.held + gen.detok.flush()
             self._finish(ctx, gen, finish, TokenEvent(tok, text, lp, finish))
             return True
-        if sp.pause_on:
-            window = gen.tail + delta
-            hit = any(s in window and window.rfind(s) + len(s) > len(gen.tail) for s in sp.pause_on)
-            gen.tail = window[-max(len(s) for s in sp.pause_on):]
-            if hit:
-                hint, gen.pause_hint = gen.pause_hint or PauseHint(), None
-                self._pause(ctx, gen, hint, TokenEvent(tok, text, lp))
-                return True
+        if pause:
+            hint, gen.pause_hint = gen.pause_hint or PauseHint(), None
+            self._pause(ctx, gen, hint, TokenEvent(tok, text, lp))
+            return True
         gen.emit(TokenEvent(tok, text, lp))
         return False
 

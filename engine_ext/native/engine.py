@@ -46,6 +46,7 @@ from ..policies.costmodel import Profile
 from ..policies.interception import BatchState, Handling, InterceptedContext, InterceptionPolicy, Preserve
 from ..policies.ranking import FCFS, RankingPolicy, RankState
 from ..protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
+from ..stream_text import token_text
 from .block_manager import BlockManager
 from .loader import load_config, load_model, resolve_model_dir
 from .model_runner import ModelRunner
@@ -979,35 +980,14 @@ class NativeEngine:
         gen = ctx.gen
         sp = gen.sampling
         is_eos = (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids
-        delta = gen.detok.add(tok) if gen.detok is not None and not is_eos else ""
-        text = gen.held + delta
-        gen.held = ""
-        finish = "stop" if is_eos else None
-        stopped_by_string = False
-        if finish is None and sp.stop:
-            hits = [(text.find(s), s) for s in sp.stop if s in text]
-            if hits:
-                text = text[:min(hits)[0]]
-                finish, stopped_by_string = "stop", True
-            else:
-                keep = _held_suffix(text, sp.stop)
-                if keep:
-                    text, gen.held = text[:-keep], text[-keep:]
-        if finish is None and (len(gen.generated) >= sp.max_tokens or len(ctx.token_ids) >= self.max_model_len):
-            finish = "length"
+        text, finish, pause = token_text(gen, tok, is_eos=is_eos, at_limit=len(ctx.token_ids) >= self.max_model_len)
         if finish is not None:
-            if not stopped_by_string:  # what was held back was not a stop string after all
-                text += gen.held + (gen.detok.flush() if gen.detok else "")
             self._finish(ctx, finish, TokenEvent(tok, text, lp, finish))
             return
-        if sp.pause_on:
-            window = gen.tail + delta
-            hit = any(s in window and window.rfind(s) + len(s) > len(gen.tail) for s in sp.pause_on)
-            gen.tail = window[-max(len(s) for s in sp.pause_on):]
-            if hit:  # _pause emits the held-back text too
-                hint, gen.pause_hint = gen.pause_hint or PauseHint(), None
-                self._pause(ctx, hint, TokenEvent(tok, text, lp))
-                return
+        if pause:  # _pause emits the held-back text too
+            hint, gen.pause_hint = gen.pause_hint or PauseHint(), None
+            self._pause(ctx, hint, TokenEvent(tok, text, lp))
+            return
         gen.emit(TokenEvent(tok, text, lp))
         if ctx not in self.scheduler.active:
             self.scheduler.add(ctx)
@@ -1039,14 +1019,3 @@ class NativeEngine:
             if ctx.intercept is not None and not ctx.intercept.parked:
                 self._end_interception(ctx, returned=False)
             gen.emit(err)
-
-
-def _held_suffix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of ``text`` that begins some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
