@@ -507,8 +507,9 @@ class RequestEngine:
             ctx = None
         else:
             ctx = self._get(cid)
-            if ctx.state != "idle" or ctx.busy:
-                raise E.ContextBusy(f"context {cid!r} is already {ctx.state if ctx.state != 'idle' else 'filling'}")
+            if ctx.state != "idle":
+                raise E.ContextBusy(f"context {cid!r} is already {ctx.state}")
+            # a fill still in flight is fine: its tokens are in the context, and this request computes them too
             parent = None
         n = len((parent or ctx).token_ids)
         if n >= self.max_model_len:

@@ -202,3 +202,25 @@ def test_serve_refuses_an_unknown_vllm_argument_in_one_line_before_starting():
         check_serve_config(cfg)
     ok = parse_config({"models": {"m": {"path": "embedded", "engine": {"kind": "vllm", "args": {"seed": 1}}}}})
     check_serve_config(ok)
+
+
+def test_generate_right_behind_a_pending_fill_decodes_after_its_tokens(sjf_engine):
+    """As on the native engine, a generate queued while the context's fill is
+    still in flight runs over the filled tokens (the trace bench does this)."""
+    tok = sjf_engine.tokenizer
+    prompt = tok.encode("One, two, three, four," * 40)
+    assert len(prompt) > sjf_engine.block_size  # so the fill really computes (whole blocks) while generate starts
+
+    async def go():
+        fill = asyncio.ensure_future(sjf_engine.fill("q", prompt))
+        await asyncio.sleep(0)
+        out = [ev.token_id async for ev in sjf_engine.generate("q", SamplingParams(max_tokens=5, ignore_eos=True))]
+        assert await fill == len(prompt)
+        await sjf_engine.fill("ref", prompt)
+        ref = [ev.token_id async for ev in sjf_engine.generate("ref", SamplingParams(max_tokens=5, ignore_eos=True))]
+        for c in ("q", "ref"):
+            await sjf_engine.free_context(c)
+        return out, ref
+
+    out, ref = asyncio.run(go())
+    assert out == ref and len(out) == 5
