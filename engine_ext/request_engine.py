@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, Hashable, List, Optional, Sequence, Set
 
 from . import errors as E
+from .channel import Channel
 from .protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
 from .stream_text import token_text
 
@@ -162,6 +163,26 @@ class RequestEngine:
             fut.cancel()
             raise
 
+    async def _command(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` (no awaits) on the engine loop, in the order the
+        calls were made.  A caller cancelled before it ran keeps it from
+        running; one cancelled after cannot, and whatever the caller posts
+        next (an abort) runs after it -- which a coroutine handed to
+        ``run_coroutine_threadsafe`` does not guarantee (its cancellation
+        is posted behind its first step)."""
+        self._check_open()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001  (delivered to the caller)
+                fut.set_exception(e)
+        self._loop.call_soon_threadsafe(run)
+        return await asyncio.wrap_future(fut)
+
     def _post(self, fn: Any) -> None:
         if not self._closed and self._loop.is_running():
             self._loop.call_soon_threadsafe(fn)
@@ -179,30 +200,13 @@ class RequestEngine:
                        parent_context_id: Optional[Hashable] = None,
                        hint: Optional[RequestHint] = None) -> AsyncIterator[TokenEvent]:
         sampling = sampling or SamplingParams()
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-
-        def emit(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the consumer's loop is gone
-                pass
-
-        gen = await self._call(self._start(context_id, sampling, parent_context_id, hint, emit))
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._post(lambda: self._abort(context_id, gen))
+        ch = Channel()
+        emit = ch.emit  # one object: the stream's _Gen keeps it, _abort finds the stream by it
+        events = ch.events(self._command(self._start, context_id, sampling, parent_context_id, hint, emit),
+                           lambda: self._post(lambda: self._abort(context_id, emit)))
+        async with contextlib.aclosing(events):  # a consumer that leaves early stops the decoding at once
+            async for ev in events:
+                yield ev
 
     async def free_context(self, context_id: Hashable) -> None:
         await self._call(self._free(context_id))
@@ -492,7 +496,7 @@ class RequestEngine:
             ctx.busy -= 1
         return len(ctx.token_ids)
 
-    async def _start(self, cid: Hashable, sampling: SamplingParams, parent_id: Optional[Hashable],
+    def _start(self, cid: Hashable, sampling: SamplingParams, parent_id: Optional[Hashable],
                      hint: Optional[RequestHint], emit: Any) -> _Gen:
         sampling.validate()
         if hint is not None:
@@ -651,9 +655,11 @@ class RequestEngine:
         gen.tail = gen.held = ""
         gen.task = self._loop.create_task(self._segment(ctx, gen))
 
-    def _abort(self, cid: Hashable, gen: _Gen) -> None:
+    def _abort(self, cid: Hashable, emit: Any) -> None:
+        """Stop the stream that owns ``emit``, if it still runs."""
         ctx = self.contexts.get(cid)
-        if ctx is None or ctx.gen is not gen or gen.done:
+        gen = ctx.gen if ctx is not None else None
+        if gen is None or gen.emit is not emit or gen.done:
             return
         task, gen.task = gen.task, None
         self._finish(ctx, gen, "abort", emit=False)

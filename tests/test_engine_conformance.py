@@ -684,6 +684,35 @@ async def test_closing_a_stream_early_leaves_the_context_usable_and_nothing_runn
     assert ids(await events(engine, a, sp(6))) == await greedy(engine, ctx, p + ids(got), 6)
 
 
+async def test_a_consumer_cancelled_while_its_stream_starts_leaves_nothing_running(engine, ctx, prompts):
+    """Cancelled at various points of generate's start: whatever the engine
+    had begun is stopped, so the context is idle again (a new generate on it
+    is not ContextBusy) and nothing keeps decoding."""
+    a, p = ctx.new("a"), prompts["plain"]
+    await w(engine.fill(a, p))
+    for delay in (0, 0, 0.001, 0.005, 0.02, 0.05):
+        async def first():
+            agen = engine.generate(a, sp(400))
+            try:
+                return await agen.__anext__()
+            finally:
+                await agen.aclose()
+        t = asyncio.ensure_future(first())
+        await asyncio.sleep(delay)
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        deadline = time.monotonic() + 10
+        while True:  # the abort may land a moment later; it must land
+            try:
+                got = await w(events(engine, a, sp(1)))
+                break
+            except E.ContextBusy:
+                assert time.monotonic() < deadline, f"still generating 10 s after a cancel at {delay} s"
+                await asyncio.sleep(0.05)
+        assert len(got) == 1
+        await w(engine.truncate(a, len(p)))
+
+
 async def test_nothing_leaked_once_every_context_is_freed(engine, ctx, prompts):
     """Runs after every other test of the engine but close: each test's
     contexts are freed by then."""

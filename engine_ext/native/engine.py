@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
@@ -45,6 +46,7 @@ from .. import errors as E
 from ..policies.costmodel import Profile
 from ..policies.interception import BatchState, Handling, InterceptedContext, InterceptionPolicy, Preserve
 from ..policies.ranking import FCFS, RankingPolicy, RankState
+from ..channel import Channel
 from ..protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
 from ..stream_text import token_text
 from .block_manager import BlockManager
@@ -221,34 +223,13 @@ class NativeEngine:
         """``hint`` seeds the ranking's view of the request (LAMPS: expected
         output and tool call)."""
         sampling = sampling or SamplingParams()
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-
-        def emit(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the consumer's loop is gone
-                pass
-
-        try:
-            await self._call(self._cmd_generate, context_id, sampling, parent_context_id, emit, hint)
-        except asyncio.CancelledError:  # the command may have run: stop what it started
-            self._post(lambda: self._abort(context_id, emit))
-            raise
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            if not finished:  # consumer stopped early: stop decoding at once
-                self._post(lambda: self._abort(context_id, emit))
+        ch = Channel()
+        emit = ch.emit  # one object: the generation keeps it, _abort finds the stream by it
+        events = ch.events(self._call(self._cmd_generate, context_id, sampling, parent_context_id, emit, hint),
+                           lambda: self._post(lambda: self._abort(context_id, emit)))
+        async with contextlib.aclosing(events):  # a consumer that leaves early stops the decoding at once
+            async for ev in events:
+                yield ev
 
     async def free_context(self, context_id: Hashable) -> None:
         await self._call(self._cmd_free, context_id)
