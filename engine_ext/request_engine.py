@@ -180,12 +180,21 @@ class RequestEngine:
                 fut.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001  (delivered to the caller)
                 fut.set_exception(e)
-        self._loop.call_soon_threadsafe(run)
+        self._soon(run)
         return await asyncio.wrap_future(fut)
 
     def _post(self, fn: Any) -> None:
         if not self._closed and self._loop.is_running():
-            self._loop.call_soon_threadsafe(fn)
+            self._soon(fn)
+
+    def _soon(self, fn: Any) -> None:
+        """Run ``fn`` on the engine loop after everything posted before it.
+        A coroutine handed to ``run_coroutine_threadsafe`` takes its first
+        step two hops later (a callback that creates its task, then the
+        step), so plain callbacks take two hops too: a fill's first step
+        (which creates the context) runs before the generate posted right
+        behind it."""
+        self._loop.call_soon_threadsafe(self._loop.call_soon, fn)
 
     @property
     def alive(self) -> bool:

@@ -212,6 +212,9 @@ def test_generate_right_behind_a_pending_fill_decodes_after_its_tokens(sjf_engin
     assert len(prompt) > sjf_engine.block_size  # so the fill really computes (whole blocks) while generate starts
 
     async def go():
+        # hold the engine's loop for a moment so the fill and the generate are both queued behind it:
+        # they must then run in the order they were made
+        sjf_engine._loop.call_soon_threadsafe(time.sleep, 0.3)
         fill = asyncio.ensure_future(sjf_engine.fill("q", prompt))
         await asyncio.sleep(0)
         out = [ev.token_id async for ev in sjf_engine.generate("q", SamplingParams(max_tokens=5, ignore_eos=True))]
