@@ -38,9 +38,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 ENGINES = ("vllm-server", "vllm", "native", "native-x1", "native-x2")
+VLLM_CPU_BLOCK = 128  # vLLM's CPU build's KV block size
 VLLM = {"kind": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_space_gb": 1, "max_model_len": 2048}
 
 
@@ -57,7 +58,7 @@ def parse_engines(text: str) -> List[str]:
 class _Server:
     """``vllm serve`` on a free loopback port, for the stock-vLLM baseline."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, blocks: Optional[int] = None):
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         import socket
 
@@ -68,7 +69,8 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
              "--enforce-eager", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(self.port),
-             "--enable-prefix-caching", "--structured-outputs-config.backend", "guidance"],
+             "--enable-prefix-caching", "--structured-outputs-config.backend", "guidance"]
+            + (["--num-gpu-blocks-override", str(blocks)] if blocks else []),
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         import httpx
 
@@ -99,17 +101,23 @@ class _Server:
                 self.proc.wait()
 
 
-def build_engine(name: str, model: str, threads: int = 0) -> tuple:
+def build_engine(name: str, model: str, threads: int = 0, kv_tokens: Optional[int] = None) -> tuple:
     """(engine, close, notes) for an engine name of :data:`ENGINES`.
     ``threads``: torch threads of the in-process native engine (0: torch's
-    default); worker replicas split the CPUs between them."""
+    default); worker replicas split the CPUs between them.  ``kv_tokens``:
+    every engine's KV cache, in tokens (None: each engine's default) -- vLLM
+    gets whole blocks of its block size (128 on its CPU build), and each
+    worker replica a share."""
     from interlace.gateway.config import PolicySpec
+
+    vllm_blocks = -(-kv_tokens // VLLM_CPU_BLOCK) if kv_tokens else None
+    native_kv = kv_tokens or 16384
 
     policy = PolicySpec()  # Interlace's defaults: infercept + lamps, profile auto
     if name == "vllm-server":
         from interlace.engine_ext.openai_http import load_openai_engine
 
-        server = _Server(model)
+        server = _Server(model, vllm_blocks)
         try:
             eng = load_openai_engine({"kind": "openai", "url": server.url}, model, None, name="vllm-server")
         except BaseException:
@@ -123,7 +131,8 @@ def build_engine(name: str, model: str, threads: int = 0) -> tuple:
     if name == "vllm":
         from interlace.engine_ext.vllm import load_vllm_engine
 
-        eng = load_vllm_engine(dict(VLLM), model, policy)
+        eng = load_vllm_engine({**VLLM, **({"args": {"num_gpu_blocks_override": vllm_blocks}} if vllm_blocks else {})},
+                               model, policy)
         return eng, eng.close, "vLLM in process, LAMPS in its scheduler"
     if name == "native":
         from interlace.engine_ext.native.setup import build_native_engine
@@ -132,7 +141,7 @@ def build_engine(name: str, model: str, threads: int = 0) -> tuple:
 
         if threads:
             torch.set_num_threads(threads)
-        eng = build_native_engine(model, {"dtype": "float32", "kv_cache_tokens": 16384}, policy)
+        eng = build_native_engine(model, {"dtype": "float32", "kv_cache_tokens": native_kv}, policy)
         return eng, eng.close, f"native in process, {torch.get_num_threads()} thread(s), infercept + lamps"
     from interlace.engine_ext.replicas import ReplicaSet
     from interlace.engine_ext.worker import ProcessEngine
@@ -142,7 +151,7 @@ def build_engine(name: str, model: str, threads: int = 0) -> tuple:
     workers: List[Any] = []
     try:
         for i in range(n):
-            workers.append(ProcessEngine.start({"path": model, "dtype": "float32", "kv_cache_tokens": 16384,
+            workers.append(ProcessEngine.start({"path": model, "dtype": "float32", "kv_cache_tokens": native_kv // n,
                                                 "threads": threads}, policy, name=f"{name}-{i}"))
     except BaseException:
         for w in workers:
@@ -158,13 +167,14 @@ def build_engine(name: str, model: str, threads: int = 0) -> tuple:
     return eng, close_all, f"{n} worker process(es), {threads} thread(s) each"
 
 
-def run_engine(name: str, model: str, trace: Any, seed: int, threads: int = 0) -> Dict[str, Any]:
+def run_engine(name: str, model: str, trace: Any, seed: int, threads: int = 0,
+               kv_tokens: Optional[int] = None) -> Dict[str, Any]:
     from interlace.engine_ext.protocol import RequestHint
     from interlace.engine_ext.sim.metrics import summarize
 
     from .trace import _drive_request, _warm_up, mean_non_tool, mean_norm_latency, pause_marker
 
-    eng, close, note = build_engine(name, model, threads)
+    eng, close, note = build_engine(name, model, threads, kv_tokens)
     try:
         hint_cls = None if name == "vllm-server" else RequestHint  # stock vLLM knows nothing of the trace
         eos = getattr(eng, "eos_token_ids", None) or eng.tokenizer.eos_token_ids
@@ -200,15 +210,16 @@ def run_engines(args: Any, base: Any, rates: List[float], per_rate: Callable[[An
     import vllm
 
     print(f"machine: {describe_machine(machine())}; vLLM {vllm.__version__}")
+    kv = f"KV cache {args.engine_kv_tokens} tokens each" if args.engine_kv_tokens else "each engine's default KV cache"
     print(f"\nengines side by side, {Path(model).name} (float32); trace {args.trace} ({len(base)} requests, seed "
-          f"{args.seed}, max context {args.max_context}, call times x{args.time_scale:g})\n")
+          f"{args.seed}, max context {args.max_context}, call times x{args.time_scale:g}); {kv}\n")
     grid: Dict[float, Dict[str, Dict[str, Any]]] = {}
     for r in rates:
         tr = traces.with_poisson_arrivals(per_rate(base, r), r, args.seed)
         grid[r] = {}
         for n in names:
             t = time.monotonic()
-            grid[r][n] = run_engine(n, model, tr, args.seed, args.threads)
+            grid[r][n] = run_engine(n, model, tr, args.seed, args.threads, args.engine_kv_tokens)
             print(f"  [{n} @ {r:g} req/s: {time.monotonic() - t:.0f} s]", file=sys.stderr, flush=True)
         print_table(r, names, grid[r], {n: _Label(n) for n in names}, {})
         for n in names:

@@ -611,6 +611,8 @@ def add_trace_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engines", help="instead of policy variants: the same trace on these engines, comma-"
                     "separated: vllm-server (stock vLLM over HTTP), vllm (vLLM in Interlace), native, native-x1, "
                     "native-x2 (two worker replicas behind a ReplicaSet); see bench/engines_trace.py")
+    ap.add_argument("--engine-kv-tokens", type=int, help="--engines: every engine's KV cache in tokens (default: "
+                    "each engine's own: 16384 native, vLLM's from kv_cache_space_gb)")
     ap.add_argument("--out-png", help="save the plot here")
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
                     help="write all results as JSON to PATH (bare --json: print the JSON instead of tables)")

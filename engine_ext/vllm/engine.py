@@ -7,6 +7,7 @@ scheduler stats."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -194,6 +195,10 @@ def load_vllm_engine(engine: Dict[str, Any], model_path: str, policy: Any = None
     pname = getattr(policy, "profile", "auto")
     if ranking == "lamps":
         profile = Profile.load(pname) if pname != "auto" else _auto_profile(engine, model_path, policy, name)
+        blocks = (engine.get("args") or {}).get("num_gpu_blocks_override")
+        if blocks:  # the cache this engine will have, not the measured one's
+            bs = (engine.get("args") or {}).get("block_size") or profile.block_size
+            profile = dataclasses.replace(profile, kv_capacity_tokens=int(blocks) * int(bs))
     args = engine_args(engine, model_path, policy, profile)
     tokenizer = Tokenizer(Path(args.model))
     interception = make_interception("discard", profile, ToolDurations())
