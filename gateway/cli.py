@@ -102,12 +102,12 @@ def check_serve_config(cfg) -> None:
             if r.get("kind") != "vllm":
                 continue
             where = f"{cfg.source}: models.{spec.name}." + (f"replicas[{i}]" if len(spec.replicas) > 1 else "engine")
-            try:  # vLLM's own argument checks, without starting it
-                from interlace.engine_ext.vllm import engine_args
+            try:  # vLLM's own argument and model checks, without starting it
+                from interlace.engine_ext.vllm.engine import engine_args, engine_config
             except ImportError as e:
                 raise UserError(f"{where}: the vllm engine needs vLLM (pip install 'interlace[vllm]'): {e}") from e
             try:
-                engine_args(r, spec.path, spec.policy)
+                engine_config(engine_args(r, spec.path, spec.policy))
             except ValueError as e:
                 raise UserError(f"{where}: {e}") from e
 

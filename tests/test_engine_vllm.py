@@ -200,6 +200,11 @@ def test_serve_refuses_an_unknown_vllm_argument_in_one_line_before_starting():
                        "f.yaml")
     with pytest.raises(UserError, match=r"f.yaml: models.m.engine: engine.args: .*bogus_arg"):
         check_serve_config(cfg)
+    # vLLM's checks against the model: SmolLM2-135M has 9 attention heads
+    tp = parse_config({"models": {"m": {"path": "embedded", "engine": {"kind": "vllm", "tensor_parallel_size": 2}}}},
+                      "f.yaml")
+    with pytest.raises(UserError, match=r"^f.yaml: models.m.engine: vLLM refuses this engine: .*divisible by tensor"):
+        check_serve_config(tp)
     ok = parse_config({"models": {"m": {"path": "embedded", "engine": {"kind": "vllm", "args": {"seed": 1}}}}})
     check_serve_config(ok)
 

@@ -48,7 +48,7 @@ class VLLMEngine(RequestEngine):
         from . import scheduler
 
         async def build() -> Any:
-            config = engine_args.create_engine_config()
+            config = engine_config(engine_args)
             sc = config.scheduler_config
             if sc.scheduler_cls in (scheduler.SYNC, scheduler.ASYNC):  # ours: match vLLM's async scheduling choice
                 sc.scheduler_cls = scheduler.ASYNC if sc.async_scheduling else scheduler.SYNC
@@ -161,6 +161,20 @@ def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, pro
     except TypeError as e:  # an unknown vLLM argument in engine.args
         raise ValueError(f"engine.args: {e} (see `vllm serve --help` for vLLM {_version()}'s engine arguments)") \
             from None
+
+
+def engine_config(args: Any) -> Any:
+    """vLLM's whole engine configuration for ``args`` -- where vLLM checks
+    the arguments against the model (heads divisible by the tensor-parallel
+    size, the length fitting the model, ...) -- with its refusal as one
+    ValueError line instead of a pydantic report."""
+    try:
+        return args.create_engine_config()
+    except Exception as e:  # noqa: BLE001  (pydantic's ValidationError, vLLM's ValueError...)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        msg = next((ln for ln in lines if ln.startswith("Value error,")), lines[-1] if lines else repr(e))
+        msg = msg.removeprefix("Value error,").split(" [type=")[0].strip()
+        raise ValueError(f"vLLM refuses this engine: {msg}") from None
 
 
 def _version() -> str:
