@@ -70,3 +70,11 @@ class EngineUnavailable(EngineError):
     """The engine replica serving this context is gone, or no replica is
     available for a new context (:class:`~interlace.engine_ext.replicas.ReplicaSet`);
     retry: a new request goes to a live replica."""
+
+
+class UnknownVariant(EngineError, KeyError):
+    """A fill names a model variant the engine does not serve
+    (``native/block_sharing.py``), or another than the context's own."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -62,13 +62,18 @@ def chain_hash(key: bytes, parent: Optional[bytes], tokens: Sequence[int]) -> by
 @dataclass
 class BlockTable:
     """A context's view of the cache: its blocks and the hashes of the leading
-    full, computed blocks (``len(hashes) <= len(blocks)``)."""
+    full, computed blocks (``len(hashes) <= len(blocks)``).
+
+    ``root`` starts the hash chain: a model variant whose weights give other
+    KV (``native/block_sharing.py``) has its own root, so its blocks are never
+    found by another variant's prefix (None: the base model's chain)."""
 
     blocks: List[int] = field(default_factory=list)
     hashes: List[bytes] = field(default_factory=list)
+    root: Optional[bytes] = None
 
     def copy(self) -> "BlockTable":
-        return BlockTable(list(self.blocks), list(self.hashes))
+        return BlockTable(list(self.blocks), list(self.hashes), self.root)
 
 
 class BlockManager:
@@ -184,7 +189,7 @@ class BlockManager:
         i = start = num_computed // bs
         if len(table.hashes) < i:  # the leading full blocks are not all sealed: no chain to continue
             return num_computed
-        parent = table.hashes[i - 1] if i else None
+        parent = table.hashes[i - 1] if i else table.root
         while i < (len(token_ids) - 1) // bs:
             h = chain_hash(self.hash_key, parent, token_ids[i * bs:(i + 1) * bs])
             bid = self.by_hash.get(h)
@@ -243,7 +248,7 @@ class BlockManager:
         bs = self.block_size
         while len(table.hashes) < num_computed // bs:
             i = len(table.hashes)
-            h = chain_hash(self.hash_key, table.hashes[-1] if table.hashes else None,
+            h = chain_hash(self.hash_key, table.hashes[-1] if table.hashes else table.root,
                            token_ids[i * bs:(i + 1) * bs])
             table.hashes.append(h)
             blk = self.blocks[table.blocks[i]]

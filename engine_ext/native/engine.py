@@ -50,6 +50,7 @@ from ..channel import Channel
 from ..protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
 from ..stream_text import token_text
 from .block_manager import BlockManager
+from .block_sharing import VariantSet
 from .loader import load_config, load_model, resolve_model_dir
 from .model_runner import ModelRunner
 from .models.llama import LlamaForCausalLM
@@ -133,13 +134,15 @@ class NativeEngine:
                  kv_dtype: Optional[torch.dtype] = None, interception: Optional[InterceptionPolicy] = None,
                  ranking: Optional[RankingPolicy] = None, eos_token_ids: Sequence[int] = (),
                  name: str = "model", profile: Optional[Profile] = None, host_pool_tokens: Optional[int] = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, variants: Optional["VariantSet"] = None):
         """``profile`` is the cost model for the swap budget and recomputation
         chunks (else the interception policy's own, else none: swaps move the
         whole context at once and recomputation is not chunked).
         ``host_pool_tokens``: the host swap pool (default: as large as the
         KV cache; 0: no swapping, swaps fall back to discard).
-        ``prefix_caching=False``: no automatic prefix caching."""
+        ``prefix_caching=False``: no automatic prefix caching.
+        ``variants``: fine-tuned variants of ``model`` served in the same
+        batches (:mod:`.block_sharing`); a fill creating a context names one."""
         if host_pool_tokens is not None and (not isinstance(host_pool_tokens, int) or host_pool_tokens < 0):
             raise ValueError(f"host_pool_tokens must be a non-negative integer, got {host_pool_tokens!r}")
         self.model = model
@@ -159,7 +162,11 @@ class NativeEngine:
         host_blocks = (num_blocks * block_size if host_pool_tokens is None else host_pool_tokens) // block_size
         self.swap: Optional[Swapper] = None  # allocated by the engine thread, beside the KV cache
         self.runner: Optional[ModelRunner] = None  # allocated by the engine thread (see _loop)
-        runner_args = (model, num_blocks, block_size, kv_dtype or next(model.parameters()).dtype, self.device)
+        if variants is not None and variants.model is not model:
+            raise ValueError("variants must be built over this engine's model")
+        self.variants = variants
+        runner_args = (model, num_blocks, block_size, kv_dtype or next(model.parameters()).dtype, self.device,
+                       variants)
         self.interception = interception or Preserve()
         self.profile = profile
         self._configure_policies()
@@ -204,15 +211,19 @@ class NativeEngine:
 
     # ================================================================ public API
     async def fill(self, context_id: Hashable, token_ids: Sequence[int],
-                   parent_context_id: Optional[Hashable] = None, hint: Optional[RequestHint] = None) -> int:
+                   parent_context_id: Optional[Hashable] = None, hint: Optional[RequestHint] = None,
+                   variant: Optional[str] = None) -> int:
         """A fill whose caller is cancelled is undone (its tokens removed, a
         context it created dropped), so the caller can retry it safely.  The
         one exception: another call has already built on it (extended,
         generated into the context), in which case it stays.  ``hint``: the
-        objective and task group its prefill is ranked by."""
+        objective and task group its prefill is ranked by.  ``variant``: the
+        model variant a new context runs (default: the base model); a fork
+        runs its parent's, and naming another is an error."""
         op = FillOp(None)
         try:
-            return await self._call(self._cmd_fill, context_id, list(token_ids), parent_context_id, op, hint)
+            return await self._call(self._cmd_fill, context_id, list(token_ids), parent_context_id, op, hint,
+                                    variant)
         except asyncio.CancelledError:
             self._post(lambda: self._undo_fill(op))
             raise
@@ -491,6 +502,26 @@ class NativeEngine:
             raise E.ContextExists(f"context {cid!r} already exists; fork into a new id")
         return self._get(parent_id) if parent_id is not None else None
 
+    def _variant(self, name: Optional[str], existing: Optional[Context]) -> int:
+        """The variant index a fill names (validate-only): a new context's,
+        or None / the same one for a fork or an existing context."""
+        if name is None:
+            return existing.variant if existing is not None else 0
+        if self.variants is None:
+            if name == self.name:
+                return 0
+            raise E.UnknownVariant(f"no model variant {name!r} here (this engine serves only {self.name!r})")
+        v = self.variants.get(name).index
+        if existing is not None and existing.variant != v:
+            raise E.InvalidContextState(f"context {existing.id!r} runs variant "
+                                        f"{self.variants.variants[existing.variant].name!r}, not {name!r}")
+        return v
+
+    @property
+    def variant_names(self) -> frozenset:
+        """The model variants this engine serves (its own name without variants)."""
+        return frozenset(self.variants.names()) if self.variants is not None else frozenset({self.name})
+
     def _fork(self, cid: Hashable, parent: Context) -> Context:
         """The child shares the parent's device blocks.  If part of the
         parent's KV is in the host pool, the child shares the leading
@@ -500,16 +531,18 @@ class NativeEngine:
             self.swap.land()  # no block mid-copy is shared
         blocks = parent.table.blocks
         k = blocks.index(SWAPPED) if SWAPPED in blocks else len(blocks)
-        shared = type(parent.table)(blocks[:k], parent.table.hashes[:k])
+        shared = type(parent.table)(blocks[:k], parent.table.hashes[:k], parent.table.root)
         computed = min(parent.num_computed, k * self.block_size)
         child = Context(cid, list(parent.token_ids), self.blocks.fork(shared), computed, parent=parent,
-                        last_logits=parent.last_logits if computed == parent.num_computed else None)
+                        last_logits=parent.last_logits if computed == parent.num_computed else None,
+                        variant=parent.variant)
         child.recompute_end = parent.num_computed if computed < parent.num_computed else 0
         parent.children.add(child)
         self.contexts[cid] = child
         return child
 
-    def _cmd_fill(self, fut, cid, tokens, parent_id, op: FillOp, hint: Optional[RequestHint] = None) -> None:
+    def _cmd_fill(self, fut, cid, tokens, parent_id, op: FillOp, hint: Optional[RequestHint] = None,
+                  variant: Optional[str] = None) -> None:
         self._check_hint(hint)
         ctx = self.contexts.get(cid)
         created = parent_id is not None or ctx is None
@@ -518,9 +551,16 @@ class NativeEngine:
             self._check_tokens(tokens, allow_empty=parent is not None)
             base = len(parent.token_ids) if parent else 0
             self._check_len(base + len(tokens))
-            ctx = self._fork(cid, parent) if parent else Context(cid, [])
+            v = self._variant(variant, parent)
+            if parent:
+                ctx = self._fork(cid, parent)
+            else:
+                ctx = Context(cid, [], variant=v)
+                if v:
+                    ctx.table.root = self.variants.variants[v].namespace
             self.contexts[cid] = ctx
         else:
+            self._variant(variant, ctx)
             if ctx.state is not State.IDLE:
                 raise E.ContextBusy(f"context {cid!r} is {ctx.state.value}; fill it when idle (or resume it)")
             self._check_tokens(tokens, allow_empty=True)

@@ -92,13 +92,21 @@ def load_config(model_dir: Path) -> Tuple[dict, ModelConfig]:
 
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    _, cfg = load_config(model_dir)
+    raw, _ = load_config(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFound(f"{model_dir} holds no .safetensors weights")
     tensors = {}
     for f in files:
         tensors.update(load_file(str(f)))
+    return model_from_tensors(raw, tensors, dtype, device)
+
+
+def model_from_tensors(config: dict, tensors: dict, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """The model of a Hugging Face ``config`` dict with ``tensors`` (HF
+    names), e.g. a zoo base's memory-mapped blocks."""
+    cfg = ModelConfig.from_hf(config)
     with torch.device("meta"):  # no time spent on random init of weights we overwrite
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
@@ -110,4 +118,4 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32,
 
 
 __all__ = ["ModelNotFound", "UnsupportedModel", "resolve_model_dir", "convert_gguf", "load_config",
-           "load_model", "cache_root"]
+           "load_model", "model_from_tensors", "cache_root"]

@@ -3,19 +3,21 @@
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
+from .block_sharing import VariantSet
 from .models.llama import AttentionMetadata, LlamaForCausalLM, PrefillSpan
 from .scheduler import Batch
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device):
+                 kv_dtype: torch.dtype, device: torch.device, variants: Optional[VariantSet] = None):
         cfg = model.cfg
         self.model = model
+        self.variants = variants  # several fine-tuned variants in one batch (BlockLLM), or None
         self.block_size = block_size
         self.device = device
         self.window = cfg.sliding_window
@@ -65,6 +67,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
                                  prefills=prefills)
+        if self.variants is not None and len(self.variants) > 1:
+            meta.variants = self.variants.batch([v for ch in batch.chunks for v in [ch.ctx.variant] * ch.num])
         if decode_rows:
             lens = [ch.start + 1 for ch in decode_chunks]
             nb = -(-max(lens) // bs)

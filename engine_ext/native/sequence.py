@@ -77,6 +77,7 @@ class Context:
     swap_ops: int = 0                     # swap moves queued or in flight
     recompute_end: int = 0                # positions below it were computed before (discarded): recomputation
     waiting_swap_in: bool = False         # activate once every block is back on the device
+    variant: int = 0                      # the model variant whose weights it runs (block_sharing.py); 0: base
 
     @property
     def on_host(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +112,8 @@ class AttentionMetadata:
     decode_rows: Optional[torch.Tensor] = None    # [B] long: rows of the flat batch
     decode_blocks: Optional[torch.Tensor] = None  # [B, nb] long: block tables, padded
     decode_masked: Optional[torch.Tensor] = None  # [1, B, 1, nb * block_size] bool: key not attended
+    # rows of several model variants (BlockLLM, ``native/block_sharing.py``): which weights each row uses
+    variants: Optional[Any] = None                # a block_sharing.VariantBatch, or None: the base model only
 
 
 @dataclass
@@ -130,10 +132,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normed(x)
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight-free part (shared by every variant's weight)."""
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+
+
+def _linear(mod: nn.Linear, x: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+    """``mod(x)``, or per variant's weights (and LoRA) when the batch mixes variants."""
+    return mod(x) if meta.variants is None else meta.variants.linear(mod, x)
+
+
+def _norm(mod: "RMSNorm", x: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
+    return mod(x) if meta.variants is None else meta.variants.norm(mod, x)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -176,10 +190,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = _linear(self.qkv, x, meta).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _norm(self.q_norm, q, meta), _norm(self.k_norm, k, meta)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_blocks, v_blocks = kv[0], kv[1]  # [Hkv, num_blocks, block_size, D]
         k_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_blocks.dtype))
@@ -198,7 +212,7 @@ class Attention(nn.Module):
             out[p.row_start:p.row_start + p.num_new] = o.transpose(0, 1)
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode_attention(q[meta.decode_rows], k_blocks, v_blocks, meta)
-        return self.o(out.reshape(T, self.h * self.d))
+        return _linear(self.o, out.reshape(T, self.h * self.d), meta)
 
     def _decode_attention(self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                           meta: AttentionMetadata) -> torch.Tensor:
@@ -231,9 +245,12 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, meta: Optional[AttentionMetadata] = None) -> torch.Tensor:
+        if meta is None or meta.variants is None:
+            gate, up = self.gate_up(x).split(self.inter, dim=-1)
+            return self.down(F.silu(gate) * up)
+        gate, up = meta.variants.linear(self.gate_up, x).split(self.inter, dim=-1)
+        return meta.variants.linear(self.down, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -245,8 +262,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, kv, meta):
-        x = x + self.attn(self.input_norm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_norm(x))
+        x = x + self.attn(_norm(self.input_norm, x, meta), cos, sin, kv, meta)
+        return x + self.mlp(_norm(self.post_norm, x, meta), meta)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -266,14 +283,16 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         """Run the flat batch, write its KV, and return float32 logits for
         ``logits_rows`` only (the last new token of contexts that need one)."""
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if meta.variants is None else meta.variants.embed(self.embed, input_ids)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_caches[i], meta)
-        h = self.norm(x[logits_rows])
-        return self.lm_head(h).float()
+        if meta.variants is None:
+            return self.lm_head(self.norm(x[logits_rows])).float()
+        rows = meta.variants.select(logits_rows)  # the logit rows' variants
+        return rows.linear(self.lm_head, rows.norm(self.norm, x[logits_rows])).float()
 
     # ------------------------------------------------------------- weights
     def load_hf_state_dict(self, tensors: dict) -> None:
