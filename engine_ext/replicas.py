@@ -34,7 +34,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
 
-from .errors import ContextExists, ContextNotFound, EngineClosed, EngineUnavailable
+from .errors import ContextExists, ContextNotFound, EngineClosed, EngineUnavailable, UnknownVariant
 from .protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,12 @@ def engine_stats(engine: Any) -> Optional[Dict[str, int]]:
         return dict(fn())
     except Exception:  # noqa: BLE001  (a dying engine: no numbers, not an error)
         return None
+
+
+def _variants(engine: Any) -> frozenset:
+    """The model variants an engine serves (``variant_names``; an engine
+    without them serves only requests that name none)."""
+    return getattr(engine, "variant_names", None) or frozenset()
 
 
 def _has_alive(engine: Any) -> bool:
@@ -164,19 +170,23 @@ class ReplicaSet:
 
     # ============================================================ the protocol
     async def fill(self, context_id: Hashable, token_ids: Sequence[int],
-                   parent_context_id: Optional[Hashable] = None, hint: Optional[RequestHint] = None) -> int:
+                   parent_context_id: Optional[Hashable] = None, hint: Optional[RequestHint] = None,
+                   variant: Optional[str] = None) -> int:
         """A new context whose replica turns out to be gone at this very call
-        is placed again on another (nothing of it was anywhere yet)."""
+        is placed again on another (nothing of it was anywhere yet).  A new
+        context of a model ``variant`` (BlockLLM) goes to a replica that
+        holds that variant's blocks."""
         token_ids = list(token_ids)
+        extra = {"variant": variant} if variant is not None else {}
         for _ in self.replicas:
-            route, created = self._route(context_id, parent_context_id, token_ids)
+            route, created = self._route(context_id, parent_context_id, token_ids, variant)
             r = route.replica
             route.inflight += 1
             r.pending_tokens += len(token_ids)
             ok = False
             try:
                 n = await self._call(r, r.engine.fill, context_id, token_ids, parent_context_id=parent_context_id,
-                                     hint=hint)
+                                     hint=hint, **extra)
                 ok = route.settled = True
                 return n
             except EngineUnavailable:
@@ -341,6 +351,11 @@ class ReplicaSet:
                         "stats": engine_stats(r.engine) if alive else None, "routed": dict(r.routed)})
         return out
 
+    @property
+    def variant_names(self) -> frozenset:
+        """The model variants some replica serves."""
+        return frozenset().union(*(_variants(r.engine) for r in self.replicas))
+
     def replica_of(self, context_id: Hashable) -> Optional[str]:
         """The name of the replica holding ``context_id`` (None: unknown)."""
         route = self._routes.get(context_id)
@@ -363,7 +378,7 @@ class ReplicaSet:
 
     # =============================================================== routing
     def _route(self, cid: Hashable, parent: Optional[Hashable],
-               tokens: Optional[List[int]]) -> Tuple[_Route, bool]:
+               tokens: Optional[List[int]], variant: Optional[str] = None) -> Tuple[_Route, bool]:
         """The route of ``cid`` and whether this call creates it."""
         if self._closed:
             raise EngineClosed("the engine is closed")
@@ -383,18 +398,22 @@ class ReplicaSet:
             reason = "affinity"
             proute.children += 1
         else:
-            r, reason = self._place(tokens or [])
+            r, reason = self._place(tokens or [], variant)
         route = _Route(r, parent)
         self._routes[cid] = route
         r.contexts.add(cid)
         r.routed[reason] += 1
         return route, True
 
-    def _place(self, tokens: List[int]) -> Tuple[_Replica, str]:
-        live = [r for r in self.replicas if self._check(r)]
+    def _place(self, tokens: List[int], variant: Optional[str] = None) -> Tuple[_Replica, str]:
+        holders = self.replicas if variant is None else [r for r in self.replicas if variant in _variants(r.engine)]
+        if not holders:
+            raise UnknownVariant(f"no replica of {self.name} serves the model variant {variant!r}")
+        live = [r for r in holders if self._check(r)]
         if not live:
-            raise EngineUnavailable(f"no replica of {self.name} is available; retry later")
-        keys = self._prefix_keys(tokens)
+            raise EngineUnavailable(f"no replica of {self.name}{'' if variant is None else ' holding ' + variant} "
+                                    f"is available; retry later")
+        keys = self._prefix_keys(tokens, variant)
         for key in reversed(keys):  # longest first
             r = self._prefixes.get(key)
             if r is not None and r in live:
@@ -411,8 +430,12 @@ class ReplicaSet:
         free = int(st.get("kv_blocks_total", 0) or 0) - int(st.get("kv_blocks_used", 0) or 0)
         return busy, -free, r.index
 
-    def _prefix_keys(self, tokens: List[int]) -> List[bytes]:
+    def _prefix_keys(self, tokens: List[int], variant: Optional[str] = None) -> List[bytes]:
+        """Keys of the prefix-affinity table; a variant's KV is its own
+        (``native/block_sharing.py``), so its prefixes are keyed apart."""
         keys, h, done = [], hashlib.blake2b(digest_size=16), 0
+        if variant is not None:
+            h.update(variant.encode() + b"\0")
         for n in self.prefix_levels:
             if len(tokens) < n:
                 break

@@ -197,6 +197,7 @@ class ProcessEngine:
         self.max_model_len: int = info["max_model_len"]
         self.block_size: int = info["block_size"]
         self.eos_token_ids = frozenset(info["eos_token_ids"])
+        self.variant_names = frozenset(info["variant_names"])  # the model variants it serves
         self._stats: Dict[str, int] = dict(info["stats"])  # the latest load the child sent
         self._conn = conn
         self._send_lock = threading.Lock()
@@ -261,10 +262,11 @@ class ProcessEngine:
 
     # ------------------------------------------------------------- protocol
     async def fill(self, context_id: Hashable, token_ids: Sequence[int],
-                   parent_context_id: Optional[Hashable] = None, hint: Optional[RequestHint] = None) -> int:
+                   parent_context_id: Optional[Hashable] = None, hint: Optional[RequestHint] = None,
+                   variant: Optional[str] = None) -> int:
         """As :meth:`NativeEngine.fill`; a caller cancelled while waiting has
         the fill undone in the child (also when its result was already on its way)."""
-        return await self._call("fill", context_id, list(token_ids), parent_context_id, hint)
+        return await self._call("fill", context_id, list(token_ids), parent_context_id, hint, variant)
 
     async def generate(self, context_id: Hashable, sampling: Optional[SamplingParams] = None,
                        parent_context_id: Optional[Hashable] = None,
@@ -631,8 +633,9 @@ def _child_main(conn: Any, native_kwargs: Dict[str, Any], policy: Any, name: str
             torch.set_num_threads(int(threads))
         from .native.setup import build_native_engine, model_dir
 
-        resolved = model_dir(path)
-        engine = build_native_engine(resolved, kwargs, policy)
+        zoo_engine = "variants" in kwargs or str(path).startswith("zoo/")
+        resolved = model_dir(path, kwargs.get("zoo"))
+        engine = build_native_engine(path if zoo_engine else resolved, kwargs, policy)
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises it)
         log.debug("engine worker failed to start", exc_info=True)
         try:
@@ -647,7 +650,8 @@ def _child_main(conn: Any, native_kwargs: Dict[str, Any], policy: Any, name: str
             "ranking": type(engine.scheduler.ranking).__name__,
             "inner_ranking": (type(engine.scheduler.ranking.inner).__name__
                               if hasattr(engine.scheduler.ranking, "inner") else None),
-            "torch_threads": torch.get_num_threads(), "stats": _engine_load(engine)}
+            "torch_threads": torch.get_num_threads(), "stats": _engine_load(engine),
+            "variant_names": sorted(engine.variant_names)}
     _serving = engine
     try:
         send("ready", None, info)
@@ -793,7 +797,7 @@ class _ChildServer:
             self.send("ok", call_id, result)
 
     async def fill(self, call_id: int, context_id: Any, tokens: List[int], parent_id: Any,
-                   hint: Optional[RequestHint]) -> int:
+                   hint: Optional[RequestHint], variant: Optional[str] = None) -> int:
         """:meth:`NativeEngine.fill`, keeping its operation so that a cancel
         arriving after the answer left still undoes it."""
         from .native.sequence import FillOp
@@ -801,7 +805,7 @@ class _ChildServer:
         eng = self.engine
         op = FillOp(None)
         try:
-            n = await eng._call(eng._cmd_fill, context_id, tokens, parent_id, op, hint)
+            n = await eng._call(eng._cmd_fill, context_id, tokens, parent_id, op, hint, variant)
         except asyncio.CancelledError:
             eng._post(lambda: eng._undo_fill(op))
             raise

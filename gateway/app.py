@@ -29,7 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine_ext.errors import ContextTooLong, EngineClosed, EngineError, EngineUnavailable
-from ..engine_ext.native.setup import engine_profile  # noqa: F401  (moved there; imported from here by callers)
+from ..engine_ext.native.setup import ZOO_PREFIX, engine_profile  # noqa: F401  (engine_profile: moved there)
+from ..engine_ext.variant_engine import VariantEngine
 from . import http_guard as guard_
 from . import openai_api as api
 from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
@@ -101,6 +102,7 @@ class Gateway:
         self.extra_plugins = tuple(plugins)
         self.metrics = Metrics()
         self.models: Dict[str, ModelServer] = {}
+        self.engines: List[Any] = []  # each started engine once (models may share one)
         self.host: Any = None
         self.runtime: Any = None
         self.parsers: Any = None
@@ -121,12 +123,17 @@ class Gateway:
         cfg.check_parsers(self.parsers.names())
         try:
             engines: Dict[str, Any] = {}  # models that differ only in name/parser share one engine
+            zoo_specs = await asyncio.to_thread(zoo_engine_specs, cfg)
             for spec in cfg.models.values():
-                key = json.dumps([spec.engine, spec.path, spec.engine_args, spec.replicas,
-                                  dataclasses.asdict(spec.policy)], sort_keys=True)
+                espec = zoo_specs.get(spec.name, spec)  # zoo variants of one base: one engine for all
+                key = json.dumps([espec.engine, espec.path, espec.engine_args, espec.replicas,
+                                  dataclasses.asdict(espec.policy)], sort_keys=True)
                 if key not in engines:
-                    engines[key] = await asyncio.to_thread(self.engine_factory, spec)
+                    engines[key] = await asyncio.to_thread(self.engine_factory, espec)
+                    self.engines.append(engines[key])
                 engine = engines[key]
+                if spec.name in zoo_specs:
+                    engine = VariantEngine(engine, spec.path[len(ZOO_PREFIX):])
                 interception = getattr(engine, "interception", None)
                 durations = getattr(interception, "durations", None) or ToolDurations()
                 retention = spec.policy.retention
@@ -161,9 +168,61 @@ class Gateway:
         for m in self.models.values():
             if m.retention is not None:
                 await m.retention.close()
-        for engine in {id(m.engine): m.engine for m in self.models.values()}.values():
+        for engine in self.engines:
             await asyncio.to_thread(engine.close)
+        self.engines.clear()
         self.models.clear()
+
+
+def zoo_engine_specs(cfg: GatewayConfig) -> Dict[str, ModelSpec]:
+    """For each zoo model (``path: zoo/NAME``), the spec of the engine it
+    shares: the zoo models of one base with the same engine settings and
+    policy are served by one engine (or one set of replicas) holding all of
+    them, each replica the ``variants`` it lists (default: all).  Unknown
+    variants, and variants no replica holds, are a :class:`ConfigError`."""
+    zoo_models = [s for s in cfg.models.values() if s.path.startswith(ZOO_PREFIX)]
+    if not zoo_models:
+        return {}
+    from ..engine_ext.zoo import Zoo, ZooError
+
+    try:
+        z = Zoo(cfg.zoo)
+        bases = {s.name: z.info(s.path[len(ZOO_PREFIX):]).base for s in zoo_models}
+    except ZooError as e:
+        raise ConfigError(f"{cfg.source}: models: {e}") from e
+    groups: Dict[str, List[ModelSpec]] = {}
+    for s in zoo_models:
+        key = json.dumps([bases[s.name], s.engine, s.engine_args, s.replicas, dataclasses.asdict(s.policy)],
+                         sort_keys=True, default=str)
+        groups.setdefault(key, []).append(s)
+    out: Dict[str, ModelSpec] = {}
+    for specs in groups.values():
+        first = specs[0]
+        names = sorted({s.path[len(ZOO_PREFIX):] for s in specs})
+        held: set = set()
+        replicas = []
+        for i, r in enumerate(first.replicas):
+            mine = list(r.get("variants") or names)
+            try:
+                for n in mine:
+                    if z.info(n).base != bases[first.name]:
+                        raise ConfigError(f"{cfg.source}: models.{first.name}.replicas[{i}].variants: {n!r} is not "
+                                          f"a variant of {bases[first.name]!r}")
+            except ZooError as e:
+                raise ConfigError(f"{cfg.source}: models.{first.name}.replicas[{i}].variants: {e}") from e
+            held.update(mine)
+            replicas.append({**r, "variants": mine, **({"zoo": cfg.zoo} if cfg.zoo else {})})
+        missing = sorted(set(names) - held)
+        if missing:
+            raise ConfigError(f"{cfg.source}: models.{first.name}.replicas: no replica holds the variant(s) "
+                              f"{', '.join(missing)}")
+        group = dataclasses.replace(first, name=f"zoo/{bases[first.name]}", path=ZOO_PREFIX + bases[first.name],
+                                    engine_args={**first.engine_args, "variants": names,
+                                                 **({"zoo": cfg.zoo} if cfg.zoo else {})},
+                                    replicas=replicas)
+        for s in specs:
+            out[s.name] = group
+    return out
 
 
 def load_engine(spec: ModelSpec) -> Any:
@@ -203,7 +262,7 @@ def load_replica(spec: ModelSpec, r: Dict[str, Any], where: str = "", label: str
     dependency fails only the model that uses it, with a message naming it."""
     kind = r["kind"]
     if kind == "native":
-        kwargs = {k: r[k] for k in NATIVE_LOAD_KEYS if k in r}
+        kwargs = {k: r[k] for k in (*NATIVE_LOAD_KEYS, "variants", "zoo") if k in r}
         if r.get("worker", "thread") == "thread":
             return load_native(spec.path, kwargs, spec.policy)
         process_engine = _optional(where, kind, "..engine_ext.worker", "ProcessEngine")
@@ -283,7 +342,10 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": m.name, "object": "model", "created": m.created, "owned_by": "interlace",
-             "max_model_len": m.max_model_len} for m in gw.models.values()]})
+             "max_model_len": m.max_model_len,
+             # a zoo variant (vLLM's LoRA convention): its zoo path and the base it shares blocks with
+             **({"root": m.spec.path, "parent": ZOO_PREFIX + m.engine.inner.name}
+                if isinstance(m.engine, VariantEngine) else {})} for m in gw.models.values()]})
 
     @guard
     async def plugins_route(request: Request) -> Response:

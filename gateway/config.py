@@ -16,7 +16,7 @@ import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import jsonschema
 import yaml
@@ -69,6 +69,9 @@ ENGINE_KIND_PROPERTIES = {
     "native": {
         "worker": {"enum": ["thread", "process"],
                    "description": "thread: in the gateway's process (default); process: in a worker process"},
+        "variants": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
+                     "description": "zoo models (path: zoo/NAME): the variants this replica holds "
+                                    "(default: every zoo model of its base in this config)"},
         **NATIVE_PROPERTIES,
     },
     "vllm": {
@@ -127,7 +130,8 @@ MODEL_SCHEMA = {
             "else": {"minItems": 1, "items": ENGINE_SCHEMA},
         },
         "path": {"type": "string", "minLength": 1,
-                 "description": "'embedded', a Hugging Face model directory or a .gguf file"},
+                 "description": "'embedded', a Hugging Face model directory, a .gguf file, or zoo/NAME "
+                                "(a variant in the block zoo: `interlace zoo add`)"},
         "parser": {"type": "string", "minLength": 1, "description": "tool-call parser name (default hermes)"},
         **NATIVE_PROPERTIES,
     },
@@ -191,6 +195,9 @@ SCHEMA = {
                   "description": "settings per tool name, passed to Tool.configure"},
         "engine": {"type": "object", "additionalProperties": False, "properties": POLICY_PROPERTIES,
                    "description": "scheduling policy defaults of every model"},
+        "zoo": {"type": "string", "minLength": 1,
+                "description": "the block zoo directory of zoo/NAME models (default: $INTERLACE_ZOO, "
+                               "else ~/.cache/interlace/zoo)"},
     },
 }
 
@@ -308,6 +315,7 @@ class GatewayConfig:
     default_max_tokens: int = 1024
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
     source: str = "<dict>"
+    zoo: Optional[str] = None  # the block zoo directory (None: the default)
     raw: Dict[str, Any] = field(default_factory=dict)
     def check_parsers(self, installed: Iterable[str]) -> None:
         """:class:`ConfigError` naming the first model whose parser is not ``installed``."""
@@ -385,7 +393,8 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                          max_request_bytes=server["max_request_bytes"], max_tool_rounds=server["max_tool_rounds"],
                          models=models, plugin_entrypoints=plugins["entrypoints"],
                          plugin_modules=list(plugins["modules"]), tools=dict(data.get("tools") or {}),
-                         sessions=_sessions(server.get("sessions") or {}, source), source=source, raw=data)
+                         sessions=_sessions(server.get("sessions") or {}, source), source=source, raw=data,
+                         zoo=data.get("zoo"))
 
 
 def engine_dict(engine: Union[str, Dict[str, Any]], path: str, native_args: Dict[str, Any]) -> Dict[str, Any]:
@@ -404,6 +413,14 @@ def _replicas(raw: Dict[str, Any], path: str, native_args: Dict[str, Any], where
     """The model's replicas: ``replicas: N`` copies of ``engine``, or the listed engines."""
     engine = raw.get("engine", MODEL_DEFAULTS["engine"])
     replicas = raw.get("replicas", 1)
+    zoo = path.startswith("zoo/")
+    for e in (replicas if isinstance(replicas, list) else [engine]):
+        kind = e if isinstance(e, str) else e.get("kind")
+        if zoo and kind != "native":
+            raise ConfigError(f"{source}: {where}: a zoo model ({path}) is served by the native engine "
+                              f"(block sharing), not {kind}")
+        if not zoo and isinstance(e, dict) and "variants" in e:
+            raise ConfigError(f"{source}: {where}: variants: only for zoo models (path: zoo/NAME)")
     if isinstance(replicas, list):
         if "engine" in raw:
             raise ConfigError(f"{source}: {where}.replicas: a list of replicas names each one's engine; "

@@ -17,7 +17,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:  # the gateway's config dataclass; only its attributes are read here
     from ...gateway.config import PolicySpec
@@ -26,10 +26,19 @@ if TYPE_CHECKING:  # the gateway's config dataclass; only its attributes are rea
 log = logging.getLogger(__name__)
 
 
-def model_dir(path: str | os.PathLike) -> Path:
+ZOO_PREFIX = "zoo/"
+
+
+def model_dir(path: str | os.PathLike, zoo: Optional[str] = None) -> Path:
     """The Hugging Face directory of a model path: ``"embedded"`` (the
-    embedded SmolLM2), a model directory, or a ``.gguf`` file (converted
-    once into a cached directory)."""
+    embedded SmolLM2), a model directory, a ``.gguf`` file (converted
+    once into a cached directory), or ``zoo/NAME`` (a variant in the block
+    zoo ``zoo``, default ``$INTERLACE_ZOO``: its base's config and tokenizer)."""
+    if str(path).startswith(ZOO_PREFIX):
+        from ..zoo import Zoo
+
+        z = Zoo(zoo)
+        return z.base_dir(z.info(str(path)[len(ZOO_PREFIX):]).base)
     if str(path) == "embedded":
         from ..embedded import embedded_model_dir
 
@@ -49,14 +58,12 @@ def build_native_engine(path: str | os.PathLike, engine_args: Mapping[str, Any],
     first and given its policies before it serves.  Without a policy: the
     engine's defaults (preserve, first come first served)."""
     from ..policies import ObjectiveRanking, ToolDurations, make_interception, make_ranking
-    from .engine import NativeEngine
 
-    path = model_dir(path)
     if policy is None:
-        return NativeEngine.load(path, **engine_args)
+        return _load(path, engine_args)
     p = policy
-    engine = NativeEngine.load(path, **engine_args, host_pool_tokens=p.swap_space_tokens,
-                               prefix_caching=p.prefix_caching)
+    engine = _load(path, {**engine_args, "host_pool_tokens": p.swap_space_tokens,
+                          "prefix_caching": p.prefix_caching})
     try:
         profile = engine_profile(engine, p.profile, p.swap_space_tokens)
         interception = make_interception(p.interception, profile, ToolDurations())
@@ -69,6 +76,64 @@ def build_native_engine(path: str | os.PathLike, engine_args: Mapping[str, Any],
         engine.close()
         raise
     return engine
+
+
+def _load(path: str | os.PathLike, engine_args: Mapping[str, Any]) -> "NativeEngine":
+    """``NativeEngine.load`` of ``path``; with ``variants`` (zoo variant
+    names) in ``engine_args``, or a ``zoo/NAME`` path, one engine serving
+    those variants of one base with shared blocks (:func:`load_zoo_engine`)."""
+    from .engine import NativeEngine
+
+    args = dict(engine_args)
+    variants, zoo = args.pop("variants", None), args.pop("zoo", None)
+    if variants is not None or str(path).startswith(ZOO_PREFIX):
+        names = list(variants) if variants else [str(path)[len(ZOO_PREFIX):]]
+        return load_zoo_engine(names, zoo, **args)
+    return NativeEngine.load(model_dir(path), **args)
+
+
+def load_zoo_engine(names: Sequence[str], zoo: Optional[str] = None, *, dtype: str = "float32",
+                    device: Optional[str] = None, **kw: Any) -> "NativeEngine":
+    """One native engine serving the zoo variants ``names`` (all of one
+    base) in shared batches: the base's weights once, each variant's unique
+    blocks and adapters beside them (:mod:`.block_sharing`).  The engine's
+    name is the base's; a fill names its variant."""
+    import torch
+
+    from ..zoo import Zoo
+    from .block_sharing import VariantSet
+    from .engine import NativeEngine, _in_passing_thread, resolve_dtype
+    from .loader import model_from_tensors
+    from .tokenizer import Tokenizer
+
+    if not names:
+        raise ValueError("a zoo engine needs at least one variant")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = resolve_dtype(dtype, dev)
+
+    def build():
+        z = Zoo(zoo)
+        infos = [z.info(n) for n in names]
+        bases = sorted({i.base for i in infos})
+        if len(bases) != 1:
+            raise ValueError(f"variants {list(names)} are of several bases ({', '.join(bases)}); one engine "
+                             f"serves the variants of one base")
+        base = z.load(bases[0])
+        model = model_from_tensors(base.config, base.tensors, torch_dtype, dev)
+        variants = VariantSet(model, base.name, base.block_hashes)
+        for name in names:
+            if name == base.name:
+                continue
+            v = z.load(name)
+            variants.add(name, tensors=v.tensors if v.kind == "full" else None,
+                         block_hashes=v.block_hashes if v.kind == "full" else None, lora=v.lora, kind=v.kind)
+        tok = (Tokenizer(base.base_dir, base.config) if (Path(base.base_dir) / "tokenizer.json").exists()
+               else None)
+        return model, tok, variants, base.name
+
+    model, tok, variants, name = _in_passing_thread(build)
+    kw.setdefault("name", name)
+    return NativeEngine(model, tok, variants=variants, **kw)
 
 
 def engine_profile(engine: Any, name: str, host_pool_tokens: int = 0) -> Any:
