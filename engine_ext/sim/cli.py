@@ -4,6 +4,7 @@
 generator name (``mixed``, ``toolbench``, ``qa``, ...) with
 ``--num-requests`` and ``--seed``; ``--rate`` gives Poisson arrivals
 (seeded by ``--seed``).  Bad input exits 2 with one line on stderr.
+``interlace sim blocks ...`` is the cluster simulator (``block_cli``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ TABLE_KEYS = ("completed", "rps", "norm_latency_p50", "norm_latency_p90", "norm_
               "swap_out_blocks", "swap_in_blocks")
 
 
+BLOCKS_EPILOG = ("Cluster mode: `interlace sim blocks [--variants N] [--rate R] [--cluster JSON] "
+                 "[--placement locality|naive] [--kv owner-first|least-loaded] [--speculate K] [--ablate] ...` "
+                 "compares per-model and block (BlockLLM) provisioning of N fine-tuned variants on a simulated "
+                 "cluster; `interlace sim blocks --help` lists its options.")
+
+
 def add_sim_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.epilog = BLOCKS_EPILOG
     p.add_argument("--trace", required=True,
                    help=f"trace JSON file, or a generator: {', '.join(GENERATORS)}")
     p.add_argument("--policy", default="infercept", help=f"interception policy: {', '.join(INTERCEPTION_NAMES)}")
@@ -85,5 +93,10 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["blocks"]:
+        from .block_cli import main as blocks_main
+
+        return blocks_main(argv[1:])
     p = argparse.ArgumentParser(prog="interlace sim", description=__doc__.splitlines()[0])
     return run_sim(add_sim_arguments(p).parse_args(argv))
