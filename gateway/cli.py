@@ -25,6 +25,10 @@ def _load_engine(args: argparse.Namespace):
 
     try:
         path = args.model or embedded_model_dir()
+        if str(path).startswith("zoo/"):  # a block-zoo variant: its base's blocks and its own
+            from interlace.engine_ext.native.setup import load_zoo_engine
+
+            return load_zoo_engine([str(path)[4:]], dtype=args.dtype, device=args.device)
         return NativeEngine.load(path, dtype=args.dtype, device=args.device)
     except (OSError, ValueError, EngineError) as e:  # missing path, unsupported model, bad dtype/device
         raise UserError(f"cannot load the model {args.model or '(embedded)'}: {e}") from e
@@ -48,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = tok.encode_chat(messages + [{"role": "user", "content": args.prompt}])
 
     async def run() -> None:
-        await engine.fill("cli", ids)
+        await engine.fill("cli", ids, variant=args.model[4:] if (args.model or "").startswith("zoo/") else None)
         async for ev in engine.generate("cli", sampling):
             sys.stdout.write(ev.text if tok else f"{ev.token_id} ")
             sys.stdout.flush()
@@ -183,6 +187,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from interlace.bench import langchain_apps
 
         return langchain_apps.main(args.rest)
+    if args.what == "zoo":
+        from interlace.bench import zoo as bench_zoo
+
+        return bench_zoo.main(args.rest)
     print(f"unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -193,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a reply with the native engine (chat-templated, greedy by default)")
     g.add_argument("prompt")
-    g.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--model", help="HF model directory, .gguf file or zoo/NAME (a block-zoo variant; "
+                                   "default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--system", help="system message")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -219,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plugins)
 
-    b = sub.add_parser("bench", help="run a benchmark (engine, tools, trace, apps, langchain)")
-    b.add_argument("what", choices=["engine", "tools", "trace", "apps", "langchain"])
+    b = sub.add_parser("bench", help="run a benchmark (engine, tools, trace, apps, langchain, zoo)")
+    b.add_argument("what", choices=["engine", "tools", "trace", "apps", "langchain", "zoo"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 
@@ -233,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="measure forward, swap and saturation times of a model here (JSON)",
                         add_help=False)  # its own parser (imported lazily: torch) reads the rest, --help too
     pr.set_defaults(fn=cmd_profile)
+
+    zo = sub.add_parser("zoo", help="BlockLLM block zoo: add, list, analyze, remove variants; make-variants",
+                        add_help=False)  # its own parser (imported lazily: torch) reads the rest, --help too
+    zo.set_defaults(fn=cmd_zoo)
     return p
 
 
@@ -244,11 +257,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run_profile(ap.parse_args(args.rest))
 
 
+def cmd_zoo(args: argparse.Namespace) -> int:
+    from interlace.engine_ext.zoo.cli import main as zoo_main
+
+    return zoo_main(args.rest)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["sim", "blocks"]:  # the cluster simulator: its own parser (no --trace)
+        from interlace.engine_ext.sim.block_cli import main as sim_blocks_main
+
+        return sim_blocks_main(argv[2:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.fn is cmd_profile:
+    if args.fn in (cmd_profile, cmd_zoo):
         args.rest = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -24,6 +24,23 @@ def smol_dir():
 
 
 @pytest.fixture(scope="session")
+def smol_zoo(smol_dir, tmp_path_factory):
+    """A block zoo holding the embedded SmolLM2 (``smol``), a full fine-tune of
+    two of its layers (``smol-ft``, source directory ``zoo.ft_dir``) and a
+    rank-16 LoRA adapter (``smol-lora``)."""
+    from interlace.engine_ext.zoo import Zoo
+    from interlace.engine_ext.zoo.variants import make_full_variant, make_lora_adapter
+
+    root = tmp_path_factory.mktemp("smolzoo")
+    z = Zoo(root / "zoo")
+    z.add("smol", str(smol_dir))
+    z.ft_dir = make_full_variant(smol_dir, root / "ft", layers=[12, 13], scale=0.05, seed=3)
+    z.add("smol-ft", str(z.ft_dir), base="smol")
+    z.add("smol-lora", str(make_lora_adapter(smol_dir, root / "ad", rank=16, seed=4)), base="smol")
+    return z
+
+
+@pytest.fixture(scope="session")
 def smol_engine(smol_dir):
     from interlace.engine_ext.native.engine import NativeEngine
 
