@@ -225,13 +225,30 @@ def table(rows: List[Dict[str, Any]]) -> List[str]:
     return out
 
 
+def lora_table(rows: List[Dict[str, Any]]) -> List[str]:
+    """LoRA rows: the adapters' batch against the same requests on the base.
+    ``weights read``: the bytes of weights a decode step reads, base plus
+    every adapter in the batch, over the base's (each adapter is read once
+    per step however few rows use it: with few rows per adapter that, not
+    the arithmetic, is the adapters' cost)."""
+    out = ["| adapters (ranks) | requests each | batch | LoRA tok/s | base tok/s | ratio | weights read / step vs base |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        read = (r["base_bytes"] + r["adapter_bytes"]) / r["base_bytes"]
+        out.append(f"| {len(r['adapters'])} ({', '.join(map(str, r['ranks']))}) | {r['requests_each']} "
+                   f"| {len(r['adapters']) * r['requests_each']} | {r['lora']['tok_s']:.1f} "
+                   f"| {r['base']['tok_s']:.1f} | {r['lora']['tok_s'] / r['base']['tok_s']:.2f} | {read:.2f}x |")
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="interlace bench zoo", description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="1,2,4,8", help="numbers of variants N (comma-separated)")
     p.add_argument("--requests", type=int, default=4, help="requests per variant")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each request decodes (forced)")
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache tokens in all (split per variant)")
-    p.add_argument("--lora-adapters", type=int, default=8, help="adapters in the LoRA row (0: skip it)")
+    p.add_argument("--lora-adapters", type=int, default=8, help="adapters in the LoRA rows (0: skip them)")
+    p.add_argument("--lora-requests", default="4,16", help="requests per adapter in the LoRA rows (comma-separated)")
     p.add_argument("--threads", type=int, default=None, help="torch threads in all (default: the cores usable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", help="directory for the generated variants and zoo (default: a temporary one)")
@@ -245,8 +262,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError:
         print(f"error: --variants must be positive integers, got {args.variants!r}", file=sys.stderr)
         return 2
-    if args.requests < 1 or args.max_tokens < 1 or args.lora_adapters < 0:
-        print("error: --requests and --max-tokens must be >= 1, --lora-adapters >= 0", file=sys.stderr)
+    try:
+        lora_requests = [int(x) for x in args.lora_requests.split(",") if x.strip()]
+    except ValueError:
+        lora_requests = [0]
+    if args.requests < 1 or args.max_tokens < 1 or args.lora_adapters < 0 or min(lora_requests or [0]) < 1:
+        print("error: --requests, --lora-requests and --max-tokens must be >= 1, --lora-adapters >= 0",
+              file=sys.stderr)
         return 2
     import torch
 
@@ -276,27 +298,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bound = base_bytes + sum(infos[x].unique_bytes for x in names)
             rows.append({"n": n, "names": names, "shared": shared, "per_variant": per, "bound_weights": bound})
             print(table(rows)[-1], flush=True)
-        lora_row = None
+        lora_rows = []
         if args.lora_adapters:
             names = [f"lora{i + 1}" for i in range(args.lora_adapters)]
-            reqs = requests(names, args.requests, tok, args.seed)
-            on_base = [("smol", ids) for _, ids in reqs]
-            with_lora = run_shared(prep["zoo"], names, reqs, args.max_tokens, args.kv_tokens)
-            base_only = run_shared(prep["zoo"], ["smol"], on_base, args.max_tokens, args.kv_tokens)
-            lora_row = {"adapters": names, "ranks": [RANKS[i % len(RANKS)] for i in range(len(names))],
-                        "lora": with_lora, "base": base_only}
+            adapter_bytes = sum(infos[x].unique_bytes for x in names)
+            for per in lora_requests:
+                reqs = requests(names, per, tok, args.seed)
+                on_base = [("smol", ids) for _, ids in reqs]
+                with_lora = run_shared(prep["zoo"], names, reqs, args.max_tokens, args.kv_tokens)
+                base_only = run_shared(prep["zoo"], ["smol"], on_base, args.max_tokens, args.kv_tokens)
+                lora_rows.append({"adapters": names, "ranks": [RANKS[i % len(RANKS)] for i in range(len(names))],
+                                  "requests_each": per, "lora": with_lora, "base": base_only,
+                                  "adapter_bytes": adapter_bytes, "base_bytes": base_bytes})
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     print()
     print("\n".join(table(rows)))
-    if lora_row:
-        r = lora_row["lora"]["tok_s"] / lora_row["base"]["tok_s"]
-        print(f"\nLoRA batch: {len(lora_row['adapters'])} adapters (ranks {lora_row['ranks']}), "
-              f"{args.requests} requests each: {lora_row['lora']['tok_s']:.1f} tok/s; the same requests on the "
-              f"base model: {lora_row['base']['tok_s']:.1f} tok/s; ratio {r:.2f}")
+    if lora_rows:
+        print("\n" + "\n".join(lora_table(lora_rows)))
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": m, "args": vars(args), "rows": rows, "lora": lora_row},
+        Path(args.json).write_text(json.dumps({"machine": m, "args": vars(args), "rows": rows, "lora": lora_rows},
                                               indent=1, default=str))
     if args.plot:
         _plot(rows, args.plot)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,7 @@ from ..errors import UnknownVariant
 from .models.llama import LlamaForCausalLM, RMSNorm
 
 Weights = Tuple[torch.Tensor, Optional[torch.Tensor]]  # (weight, bias or None)
+Rows = Union[None, slice, torch.Tensor]  # every row, a contiguous run of rows, or row indices
 
 
 @dataclass(eq=False)
@@ -50,15 +51,16 @@ class LoraModule:
     A: torch.Tensor
     parts: List[Tuple[int, int, int, int, torch.Tensor]]  # out_start, out_end, r_start, r_end, B [out, r]
 
-    def apply(self, out: torch.Tensor, x: torch.Tensor, rows: Optional[torch.Tensor]) -> None:
+    def apply(self, out: torch.Tensor, x: torch.Tensor, rows: "Rows") -> None:
         """``out[rows] += x[rows] @ A^T @ B^T`` per part, in place."""
-        xa = (x if rows is None else x[rows]) @ self.A.t()
+        if rows is None:
+            rows = slice(None)
+        xa = x[rows] @ self.A.t()
         for o0, o1, r0, r1, B in self.parts:
-            delta = xa[:, r0:r1] @ B.t()
-            if rows is None:
-                out[:, o0:o1] += delta
+            if isinstance(rows, slice):  # the runner keeps a variant's rows together: a view, no scatter
+                out[rows, o0:o1].addmm_(xa[:, r0:r1], B.t())
             else:
-                out[:, o0:o1].index_add_(0, rows, delta)
+                out[:, o0:o1].index_add_(0, rows, xa[:, r0:r1] @ B.t())
 
 
 @dataclass(eq=False)
@@ -289,19 +291,29 @@ class VariantBatch:
         for r, v in enumerate(self.row_variants):
             present.setdefault(v, []).append(r)
         self.present = [vs.variants[v] for v in present]
-        self.rows = {v: torch.tensor(rs, dtype=torch.long, device=vs.device) for v, rs in present.items()}
+        # a variant's rows as a slice when they are contiguous (the model runner orders rows by variant)
+        self.rows: Dict[int, Union[slice, torch.Tensor]] = {
+            v: slice(rs[0], rs[-1] + 1) if rs[-1] - rs[0] + 1 == len(rs)
+            else torch.tensor(rs, dtype=torch.long, device=vs.device) for v, rs in present.items()}
         self.n = len(self.row_variants)
-        self._groups: Dict[nn.Module, List[Tuple[Weights, Optional[torch.Tensor]]]] = {}
+        self._groups: Dict[nn.Module, List[Tuple[Weights, Rows]]] = {}
 
     def select(self, rows: torch.Tensor) -> "VariantBatch":
         return VariantBatch(self.vs, [self.row_variants[r] for r in rows.tolist()])
 
-    def _rows_of(self, vs: List[Variant]) -> Optional[torch.Tensor]:
+    def _rows_of(self, vs: List[Variant]) -> Rows:
         if len(vs) == len(self.present):
             return None  # every row
-        return torch.cat([self.rows[v.index] for v in vs]) if len(vs) > 1 else self.rows[vs[0].index]
+        if len(vs) == 1:
+            return self.rows[vs[0].index]
+        return torch.cat([self._index(self.rows[v.index]) for v in vs])
 
-    def groups(self, mod: nn.Module) -> List[Tuple[Weights, Optional[torch.Tensor]]]:
+    def _index(self, rows: Union[slice, torch.Tensor]) -> torch.Tensor:
+        if isinstance(rows, slice):
+            return torch.arange(rows.start, rows.stop, device=self.vs.device)
+        return rows
+
+    def groups(self, mod: nn.Module) -> List[Tuple[Weights, Rows]]:
         """(weights, rows using them; None = all rows) for ``mod``: the
         variants present grouped by tensor identity, so a shared block is one
         group however many variants share it."""

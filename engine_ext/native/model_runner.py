@@ -45,7 +45,12 @@ class ModelRunner:
         logit_rows: List[int] = []
         logit_chunks: List[int] = []
         bs = self.block_size
-        for ci, ch in enumerate(batch.chunks):
+        order = range(len(batch.chunks))
+        if self.variants is not None and len(self.variants) > 1:
+            # a variant's rows together: its unique blocks and adapter then run over one slice
+            order = sorted(order, key=lambda i: batch.chunks[i].ctx.variant)
+        for ci in order:
+            ch = batch.chunks[ci]
             ctx = ch.ctx
             row = len(ids)
             end = ch.start + ch.num
@@ -68,7 +73,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
                                  prefills=prefills)
         if self.variants is not None and len(self.variants) > 1:
-            meta.variants = self.variants.batch([v for ch in batch.chunks for v in [ch.ctx.variant] * ch.num])
+            meta.variants = self.variants.batch([batch.chunks[ci].ctx.variant for ci in order
+                                                 for _ in range(batch.chunks[ci].num)])
         if decode_rows:
             lens = [ch.start + 1 for ch in decode_chunks]
             nb = -(-max(lens) // bs)
