@@ -314,3 +314,30 @@ def test_embedded_variants_mixed_equal_alone(smol_zoo, smol_dir):
         assert texts["smol"] != texts["smol-lora"]
 
     asyncio.run(main())
+
+
+def test_rows_in_any_order_get_their_variants_weights(tiny_zoo):
+    """VariantBatch over interleaved rows (indices) and over grouped rows
+    (slices, as the runner orders them) both give each row its own
+    variant's projection: base, full fine-tune, or base + LoRA."""
+    z, d = tiny_zoo
+    _, cfg = load_config(d)
+    eng = load_zoo_engine(["base", "ft", "ad"], str(z.root), kv_cache_tokens=256)
+    eng.close()
+    vs = eng.variants
+    layer = eng.model.layers[1]
+    ft = z.load("ft").tensors
+    merged = merge_into(z.load("base").tensors, load_peft_adapter(z.adapter_dir("ad"), cfg, "ad"))
+    a = "model.layers.1.self_attn."
+    refs = {0: layer.attn.qkv.weight,
+            1: torch.cat([ft[a + f"{n}_proj.weight"] for n in "qkv"]),
+            2: torch.cat([merged[a + f"{n}_proj.weight"] for n in "qkv"])}
+    bias = layer.attn.qkv.bias  # the biases are the base's in every variant here
+    torch.manual_seed(0)
+    x = torch.randn(6, cfg.hidden_size)
+    for rows in ([1, 2, 1, 0, 2, 0], [0, 0, 1, 1, 2, 2]):
+        with torch.inference_mode():
+            got = vs.batch(rows).linear(layer.attn.qkv, x)
+        for r, v in enumerate(rows):
+            want = torch.nn.functional.linear(x[r], refs[v], bias)
+            torch.testing.assert_close(got[r], want, rtol=1e-4, atol=1e-4)
