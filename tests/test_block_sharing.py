@@ -6,7 +6,6 @@ prefix cache is its own, and replicas route a variant to its holder."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Dict, List
 
 import pytest

@@ -761,7 +761,8 @@ class _Sim:
                 self._try_start(self.gpus[a.gpu])
         stuck = [r.w.id for r in self.requests if r.finish is None]
         if stuck:
-            raise ClusterSimError(f"{len(stuck)} requests never finished (e.g. {stuck[:3]}): the cluster cannot hold them")
+            raise ClusterSimError(f"{len(stuck)} requests never finished (e.g. {stuck[:3]}): "
+                                  f"the cluster cannot hold them")
         return BlockSimResult(self._metrics(), self.placement_at_start, self.speculated, dict(self.chains))
 
     def _metrics(self) -> Dict[str, Any]:
