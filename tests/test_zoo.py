@@ -170,31 +170,24 @@ def _corrupt_cases(tmp_path: Path, base_dir: Path, qwen3_dir: Path):
     lora = make_lora_adapter(base_dir, tmp_path / "good-lora", rank=4, seed=3)
     cases = []
 
-    def full_copy(tag, edit_cfg=None, edit_tensors=None):
+    def edited_copy(src, tag, config_file, weights_file, edit_cfg=None, edit_tensors=None):
         d = tmp_path / tag
-        shutil.copytree(full, d)
+        shutil.copytree(src, d)
         if edit_cfg:
-            cfg = json.loads((d / "config.json").read_text())
+            cfg = json.loads((d / config_file).read_text())
             edit_cfg(cfg)
-            (d / "config.json").write_text(json.dumps(cfg))
+            (d / config_file).write_text(json.dumps(cfg))
         if edit_tensors:
-            t = load_file(str(d / "model.safetensors"))
+            t = load_file(str(d / weights_file))
             edit_tensors(t)
-            save_file(t, str(d / "model.safetensors"))
+            save_file(t, str(d / weights_file))
         return d
 
+    def full_copy(tag, edit_cfg=None, edit_tensors=None):
+        return edited_copy(full, tag, "config.json", "model.safetensors", edit_cfg, edit_tensors)
+
     def lora_copy(tag, edit_cfg=None, edit_tensors=None):
-        d = tmp_path / tag
-        shutil.copytree(lora, d)
-        if edit_cfg:
-            cfg = json.loads((d / "adapter_config.json").read_text())
-            edit_cfg(cfg)
-            (d / "adapter_config.json").write_text(json.dumps(cfg))
-        if edit_tensors:
-            t = load_file(str(d / "adapter_model.safetensors"))
-            edit_tensors(t)
-            save_file(t, str(d / "adapter_model.safetensors"))
-        return d
+        return edited_copy(lora, tag, "adapter_config.json", "adapter_model.safetensors", edit_cfg, edit_tensors)
 
     cases.append(("cfg", full_copy("cfg", lambda c: c.update(intermediate_size=256)), ShapeMismatch,
                   "intermediate_size"))

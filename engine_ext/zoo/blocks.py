@@ -20,8 +20,10 @@ the package, and are re-exported by :mod:`.store`.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
-from typing import Dict, Mapping, Tuple
+from pathlib import Path
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -162,6 +164,18 @@ def derived_hash(base_hash: str, tensors: Mapping[str, torch.Tensor]) -> str:
     for name, t in sorted(tensors.items()):
         _update(h, name, t)
     return h.hexdigest()
+
+
+def read_json_object(f: Path, error: Optional[type] = None, what: str = "unreadable JSON") -> dict:
+    """The JSON object in ``f``, or ``error`` (default :class:`ZooError`) naming the file."""
+    error = error or ZooError
+    try:
+        raw = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{f}: {what}: {e}") from e
+    if not isinstance(raw, dict):
+        raise error(f"{f}: not a JSON object")
+    return raw
 
 
 __all__ = ["ZooError", "UnknownBase", "UnknownVariant", "DuplicateVariant", "ShapeMismatch", "CorruptAdapter",

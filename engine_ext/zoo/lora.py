@@ -17,7 +17,6 @@ produce wrong text at serving time.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Dict, Mapping, Tuple
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .blocks import CorruptAdapter, ShapeMismatch, block_id
+from .blocks import CorruptAdapter, ShapeMismatch, block_id, read_json_object
 
 if TYPE_CHECKING:
     from interlace.engine_ext.native.models import ModelConfig
@@ -87,12 +86,7 @@ def read_adapter_config(path: Path) -> dict:
     f = path / CONFIG_FILE
     if not f.is_file():
         raise CorruptAdapter(f"{f}: missing (not a PEFT adapter directory)")
-    try:
-        cfg = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptAdapter(f"{f}: unreadable JSON: {e}") from e
-    if not isinstance(cfg, dict):
-        raise CorruptAdapter(f"{f}: not a JSON object")
+    cfg = read_json_object(f, CorruptAdapter)
     if cfg.get("peft_type") != "LORA":
         raise CorruptAdapter(f"{f}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
     for key, what in _REFUSED.items():

@@ -42,7 +42,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .blocks import (CorruptAdapter, DuplicateVariant, ShapeMismatch, UnknownBase, UnknownVariant, ZooError,
-                     block_hash, derived_hash, hf_name, is_ignored, sort_key, split_name)
+                     block_hash, derived_hash, hf_name, is_ignored, read_json_object, sort_key, split_name)
 from .lora import ADAPTER_FILES, LoraAdapter, load_peft_adapter
 
 MANIFEST = "zoo.json"
@@ -212,14 +212,7 @@ def _same(a, b) -> bool:
 
 
 def _read_config(model_dir: Path) -> dict:
-    f = model_dir / "config.json"
-    try:
-        raw = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ZooError(f"{f}: unreadable: {e}") from e
-    if not isinstance(raw, dict):
-        raise ZooError(f"{f}: not a JSON object")
-    return raw
+    return read_json_object(model_dir / "config.json", ZooError, "unreadable")
 
 
 # ---------------------------------------------------------------- the zoo
