@@ -222,6 +222,7 @@ def zoo_engine_specs(cfg: GatewayConfig) -> Dict[str, ModelSpec]:
                                     replicas=replicas)
         for s in specs:
             out[s.name] = group
+        log.info("zoo/%s: one engine for the variants %s", bases[first.name], ", ".join(names))
     return out
 
 

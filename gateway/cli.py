@@ -99,8 +99,15 @@ def check_serve_config(cfg) -> None:
         cfg.check_parsers(parsers)
     except ConfigError as e:
         raise UserError(str(e)) from e
+    if any(spec.path.startswith("zoo/") for spec in cfg.models.values()):
+        from interlace.gateway.app import zoo_engine_specs
+
+        try:  # every zoo variant known, of one base per engine, held by some replica
+            zoo_engine_specs(cfg)
+        except ConfigError as e:
+            raise UserError(str(e)) from e
     for spec in cfg.models.values():
-        if spec.path != "embedded" and not Path(spec.path).exists():
+        if spec.path != "embedded" and not spec.path.startswith("zoo/") and not Path(spec.path).exists():
             raise UserError(f"{cfg.source}: models.{spec.name}.path: {spec.path!r} does not exist")
         for i, r in enumerate(spec.replicas or []):
             if r.get("kind") != "vllm":

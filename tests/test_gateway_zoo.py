@@ -90,3 +90,15 @@ def test_zoo_config_errors(smol_zoo, tmp_path):
     with pytest.raises(ConfigError, match="no variant 'smol'"):
         zoo_engine_specs(parse_config(cfg, "<t>"))
     assert not empty.exists()
+
+
+def test_serve_checks_zoo_models_before_starting(smol_zoo):
+    """``interlace serve``'s pre-start check: zoo paths are looked up in the
+    zoo (not on disk), and an unknown variant is one clear line."""
+    from interlace.gateway.cli import UserError, check_serve_config
+
+    check_serve_config(parse_config(zoo_config(smol_zoo), "<t>"))
+    bad = zoo_config(smol_zoo)
+    bad["models"]["x"] = {"path": "zoo/missing"}
+    with pytest.raises(UserError, match="no variant 'missing'"):
+        check_serve_config(parse_config(bad, "<t>"))
