@@ -260,7 +260,8 @@ def lora_table(rows: List[Dict[str, Any]]) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="interlace bench zoo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="1,2,4,8", help="numbers of variants N (comma-separated)")
+    p.add_argument("--variants", default="1,2,4,8", help="numbers of variants N (comma-separated; none: only "
+                                                         "the LoRA rows)")
     p.add_argument("--requests", type=int, default=4, help="requests per variant")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens each request decodes (forced)")
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache tokens in all (split per variant)")
@@ -275,8 +276,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--plot", help="save a PNG of throughput and memory against N here")
     args = p.parse_args(argv)
     try:
-        ns = sorted({int(x) for x in args.variants.split(",") if x.strip()})
-        if not ns or ns[0] < 1:
+        ns = [] if args.variants == "none" else sorted({int(x) for x in args.variants.split(",") if x.strip()})
+        if (not ns and args.variants != "none") or (ns and ns[0] < 1):
             raise ValueError
     except ValueError:
         print(f"error: --variants must be positive integers, got {args.variants!r}", file=sys.stderr)
@@ -299,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="interlace-bench-zoo-"))
     try:
         t = time.perf_counter()
-        prep = prepare(work, max(ns), args.lora_adapters, args.seed)
+        prep = prepare(work, max(ns or [0]), args.lora_adapters, args.seed)
         print(f"generated and added {len(prep['infos']) - 1} variants in {time.perf_counter() - t:.0f} s")
         from interlace.engine_ext.native.tokenizer import Tokenizer
         from interlace.engine_ext.zoo import Zoo
@@ -327,26 +328,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for per in lora_requests:
                 reqs = requests(names, per, tok, args.seed)
                 on_base = [("smol", ids) for _, ids in reqs]
+                # room for every request's KV at once: the row measures the adapters, not KV pressure
+                kv = max(args.kv_tokens, sum(len(ids) + args.max_tokens + 16 for _, ids in reqs))
                 with_lora = base_only = None
                 for _ in range(args.rounds):
-                    with_lora = _best(with_lora, run_shared(prep["zoo"], names, reqs, args.max_tokens,
-                                                            args.kv_tokens, threads))
-                    base_only = _best(base_only, run_shared(prep["zoo"], ["smol"], on_base, args.max_tokens,
-                                                            args.kv_tokens, threads))
+                    with_lora = _best(with_lora, run_shared(prep["zoo"], names, reqs, args.max_tokens, kv, threads))
+                    base_only = _best(base_only, run_shared(prep["zoo"], ["smol"], on_base, args.max_tokens, kv,
+                                                            threads))
                 lora_rows.append({"adapters": names, "ranks": [RANKS[i % len(RANKS)] for i in range(len(names))],
                                   "requests_each": per, "lora": with_lora, "base": base_only,
                                   "adapter_bytes": adapter_bytes, "base_bytes": base_bytes})
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    print()
-    print("\n".join(table(rows)))
+    if rows:
+        print()
+        print("\n".join(table(rows)))
     if lora_rows:
         print("\n" + "\n".join(lora_table(lora_rows)))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": m, "args": vars(args), "rows": rows, "lora": lora_rows},
                                               indent=1, default=str))
-    if args.plot:
+    if args.plot and rows:
         _plot(rows, args.plot)
     return 0
 
