@@ -188,7 +188,7 @@ def run_shared(zoo: str, names: Sequence[str], reqs, max_tokens: int, kv_tokens:
 
 
 def run_per_variant(dirs: Dict[str, str], names: Sequence[str], reqs, max_tokens: int, kv_tokens: int,
-                    threads: int) -> Dict[str, Any]:
+                    threads: int, model_bytes: int) -> Dict[str, Any]:
     """One worker process per variant with the whole model."""
     from interlace.engine_ext.worker import ProcessEngine
 
@@ -208,17 +208,10 @@ def run_per_variant(dirs: Dict[str, str], names: Sequence[str], reqs, max_tokens
     from interlace.engine_ext.native.loader import load_config
 
     _, cfg = load_config(Path(dirs[names[0]]))
-    params = _param_count(cfg)
     kv_block = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 bytes per token
-    res.update(weights=len(names) * params * 4, kv=len(names) * each_kv * kv_block, threads_each=each_threads)
+    # each engine holds a whole model: the base's bytes (every variant has the base's shapes)
+    res.update(weights=len(names) * model_bytes, kv=len(names) * each_kv * kv_block, threads_each=each_threads)
     return res
-
-
-def _param_count(cfg: Any) -> int:
-    h, i, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    return v * h * (1 if cfg.tie_word_embeddings else 2) + L * per_layer + h
 
 
 def _best(a: Optional[Dict[str, Any]], b: Dict[str, Any]) -> Dict[str, Any]:
@@ -317,7 +310,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shared = per = None
             for _ in range(args.rounds):
                 shared = _best(shared, run_shared(prep["zoo"], names, reqs, args.max_tokens, args.kv_tokens, threads))
-                per = _best(per, run_per_variant(prep["dirs"], names, reqs, args.max_tokens, args.kv_tokens, threads))
+                per = _best(per, run_per_variant(prep["dirs"], names, reqs, args.max_tokens, args.kv_tokens, threads,
+                                                 base_bytes))
             bound = base_bytes + sum(infos[x].unique_bytes for x in names)
             rows.append({"n": n, "names": names, "shared": shared, "per_variant": per, "bound_weights": bound})
             print(table(rows)[-1], flush=True)

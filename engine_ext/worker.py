@@ -633,9 +633,8 @@ def _child_main(conn: Any, native_kwargs: Dict[str, Any], policy: Any, name: str
             torch.set_num_threads(int(threads))
         from .native.setup import build_native_engine, model_dir
 
-        zoo_engine = "variants" in kwargs or str(path).startswith("zoo/")
-        resolved = model_dir(path, kwargs.get("zoo"))
-        engine = build_native_engine(path if zoo_engine else resolved, kwargs, policy)
+        resolved = model_dir(path, kwargs.get("zoo"))  # the directory the parent reads the tokenizer from
+        engine = build_native_engine(path, kwargs, policy)
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises it)
         log.debug("engine worker failed to start", exc_info=True)
         try:

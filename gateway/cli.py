@@ -21,15 +21,10 @@ def fail(message: str, code: int = 2) -> int:
 def _load_engine(args: argparse.Namespace):
     from interlace.engine_ext.embedded import embedded_model_dir
     from interlace.engine_ext.errors import EngineError
-    from interlace.engine_ext.native.engine import NativeEngine
+    from interlace.engine_ext.native.setup import build_native_engine
 
-    try:
-        path = args.model or embedded_model_dir()
-        if str(path).startswith("zoo/"):  # a block-zoo variant: its base's blocks and its own
-            from interlace.engine_ext.native.setup import load_zoo_engine
-
-            return load_zoo_engine([str(path)[4:]], dtype=args.dtype, device=args.device)
-        return NativeEngine.load(path, dtype=args.dtype, device=args.device)
+    try:  # a model directory, a .gguf file, or zoo/NAME (a block-zoo variant: its base's blocks and its own)
+        return build_native_engine(args.model or embedded_model_dir(), {"dtype": args.dtype, "device": args.device})
     except (OSError, ValueError, EngineError) as e:  # missing path, unsupported model, bad dtype/device
         raise UserError(f"cannot load the model {args.model or '(embedded)'}: {e}") from e
 

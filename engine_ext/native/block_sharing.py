@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnknownVariant
+from ..zoo.lora import projection_shape
 from .models.llama import LlamaForCausalLM, RMSNorm
 
 Weights = Tuple[torch.Tensor, Optional[torch.Tensor]]  # (weight, bias or None)
@@ -77,26 +78,13 @@ class Variant:
 def _block_modules(model: LlamaForCausalLM) -> Dict[str, List[Tuple[nn.Module, Tuple[str, ...]]]]:
     """Each zoo block id -> the engine modules it fills, with the HF tensor
     names (fused in this order) of each module's weight."""
-    cfg = model.cfg
-    out: Dict[str, List[Tuple[nn.Module, Tuple[str, ...]]]] = {
-        "embed": [(model.embed, ("model.embed_tokens.weight",))],
-        "norm": [(model.norm, ("model.norm.weight",))],
-    }
-    if cfg.tie_word_embeddings:
+    from ..zoo.blocks import block_id
+
+    out: Dict[str, List[Tuple[nn.Module, Tuple[str, ...]]]] = {}
+    for mod, names in model.hf_weight_map():
+        out.setdefault(block_id(names[0]), []).append((mod, names))
+    if model.cfg.tie_word_embeddings:  # the head is the embedding's tensor
         out["embed"].append((model.lm_head, ("model.embed_tokens.weight",)))
-    else:
-        out["lm_head"] = [(model.lm_head, ("lm_head.weight",))]
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        attn = [(layer.attn.qkv, tuple(a + f"{n}_proj.weight" for n in "qkv")), (layer.attn.o, (a + "o_proj.weight",))]
-        if cfg.qk_norm:
-            attn += [(layer.attn.q_norm, (a + "q_norm.weight",)), (layer.attn.k_norm, (a + "k_norm.weight",))]
-        out[f"layers.{i}.attn"] = attn
-        out[f"layers.{i}.mlp"] = [(layer.mlp.gate_up, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-                                  (layer.mlp.down, (p + "mlp.down_proj.weight",))]
-        out[f"layers.{i}.input_norm"] = [(layer.input_norm, (p + "input_layernorm.weight",))]
-        out[f"layers.{i}.post_norm"] = [(layer.post_norm, (p + "post_attention_layernorm.weight",))]
     return out
 
 
@@ -205,7 +193,7 @@ class VariantSet:
                                (layer.attn.o, [a + "o_proj"]),
                                (layer.mlp.gate_up, [m + "gate_proj", m + "up_proj"]),
                                (layer.mlp.down, [m + "down_proj"])):
-                outs = self._split_sizes(mod, len(parts))
+                outs = [projection_shape(self.cfg, n.rsplit(".", 1)[1])[0] for n in parts]
                 pieces = [(lora.weights.get(n), size) for n, size in zip(parts, outs)]
                 if all(p is None for p, _ in pieces):
                     continue
@@ -223,14 +211,6 @@ class VariantSet:
                 blk = f"layers.{i}." + ("attn" if mod in (layer.attn.qkv, layer.attn.o) else "mlp")
                 if blk not in v.unique_blocks:
                     v.unique_blocks.append(blk)
-
-    def _split_sizes(self, mod: nn.Module, parts: int) -> List[int]:
-        cfg = self.cfg
-        if parts == 3:
-            return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-        if parts == 2:
-            return [cfg.intermediate_size] * 2
-        return [mod.weight.shape[0]]
 
     def _namespace(self, v: Variant, hashes: Mapping[str, str]) -> Optional[bytes]:
         """The root of ``v``'s prefix-cache chain: None (the base's) unless a

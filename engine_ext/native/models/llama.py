@@ -295,10 +295,33 @@ class LlamaForCausalLM(nn.Module):
         return rows.linear(self.lm_head, rows.norm(self.norm, x[logits_rows])).float()
 
     # ------------------------------------------------------------- weights
+    def hf_weight_map(self) -> List[tuple]:
+        """``(module, HF tensor names)`` for every weight: the names are
+        concatenated in this order into the module's (fused) weight, and a
+        module with a bias takes the same names with ``.bias``.  The one place
+        that knows how checkpoint tensors map onto this model (loading and
+        block sharing read it); a tied head is not listed (it is the embedding)."""
+        cfg = self.cfg
+        out: List[tuple] = [(self.embed, ("model.embed_tokens.weight",))]
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            out += [(layer.attn.qkv, tuple(a + f"{n}_proj.weight" for n in "qkv")),
+                    (layer.attn.o, (a + "o_proj.weight",))]
+            if cfg.qk_norm:
+                out += [(layer.attn.q_norm, (a + "q_norm.weight",)), (layer.attn.k_norm, (a + "k_norm.weight",))]
+            out += [(layer.mlp.gate_up, (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                    (layer.mlp.down, (p + "mlp.down_proj.weight",)),
+                    (layer.input_norm, (p + "input_layernorm.weight",)),
+                    (layer.post_norm, (p + "post_attention_layernorm.weight",))]
+        out.append((self.norm, ("model.norm.weight",)))
+        if not cfg.tie_word_embeddings:
+            out.append((self.lm_head, ("lm_head.weight",)))
+        return out
+
     def load_hf_state_dict(self, tensors: dict) -> None:
         """Load weights named as in Hugging Face checkpoints, fusing q/k/v and
         gate/up.  Missing or unexpected tensors are an error, not a silence."""
-        cfg = self.cfg
         used = set()
 
         def take(name: str) -> torch.Tensor:
@@ -307,26 +330,14 @@ class LlamaForCausalLM(nn.Module):
             used.add(name)
             return tensors[name]
 
+        def fused(names) -> torch.Tensor:
+            return torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0])
+
         with torch.no_grad():
-            self.embed.weight.copy_(take("model.embed_tokens.weight"))
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                a = p + "self_attn."
-                layer.attn.qkv.weight.copy_(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]))
-                if cfg.attention_bias:
-                    layer.attn.qkv.bias.copy_(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
-                layer.attn.o.weight.copy_(take(a + "o_proj.weight"))
-                if cfg.qk_norm:
-                    layer.attn.q_norm.weight.copy_(take(a + "q_norm.weight"))
-                    layer.attn.k_norm.weight.copy_(take(a + "k_norm.weight"))
-                layer.mlp.gate_up.weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                          take(p + "mlp.up_proj.weight")]))
-                layer.mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
-                layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
-                layer.post_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-            self.norm.weight.copy_(take("model.norm.weight"))
-            if not cfg.tie_word_embeddings:
-                self.lm_head.weight.copy_(take("lm_head.weight"))
+            for mod, names in self.hf_weight_map():
+                mod.weight.copy_(fused(names))
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.copy_(fused([n.replace(".weight", ".bias") for n in names]))
         extra = set(tensors) - used - {"lm_head.weight"}
         extra = {n for n in extra if not n.endswith("rotary_emb.inv_freq")}
         if extra:
