@@ -89,6 +89,7 @@ from typing import Any
 import psutil
 
 from .tools import (
+    AsyncTool,
     Granularity,
     InvalidToolArguments,
     Tool,
@@ -96,6 +97,7 @@ from .tools import (
     ToolCrashed,
     ToolError,
     ToolTimeout,
+    ToolUnavailable,
     ToolVetoed,
     UnknownTool,
 )
@@ -414,6 +416,8 @@ class _Pool:
     when its call ends and starts a fresh one.
     """
 
+    in_loop = False  # calls run in worker processes
+
     def __init__(self, runtime: ToolRuntime, tool: Tool, size: int) -> None:
         self.runtime = runtime
         self.tool = tool
@@ -523,6 +527,26 @@ class _Pool:
         self._dispatch()
 
 
+class _LoopPool:
+    """What an :class:`AsyncTool` has in place of a pool: no processes, a cap on
+    the calls running at once (``AsyncTool.max_concurrent``; the rest wait, in order)."""
+
+    in_loop = True
+    per_call = False
+    spares = 0
+
+    def __init__(self, runtime: ToolRuntime, tool: AsyncTool) -> None:
+        self.runtime = runtime
+        self.tool = tool
+        self.workers: set[_Worker] = set()
+        self.waiters = _FairQueue()
+        self.limits: dict[str, Any] = {}
+        self.slots = asyncio.Semaphore(max(1, int(tool.max_concurrent)))
+
+    def top_up(self) -> None:
+        """Nothing to start."""
+
+
 class ToolCall:
     """One in-flight tool call, fed by the parser's events.  Get it from :meth:`ToolRuntime.begin`.
 
@@ -535,7 +559,7 @@ class ToolCall:
     def __init__(
         self,
         runtime: ToolRuntime,
-        pool: _Pool,
+        pool: _Pool | _LoopPool,
         call_id: str,
         *,
         partial: bool,
@@ -571,7 +595,7 @@ class ToolCall:
     async def _open(self) -> None:
         """Run at begin: the policy check, then the worker for early granularities."""
         self._check_policy(self.fields)
-        if self.partial and self.tool.granularity is not Granularity.ON_FINISH:
+        if self.partial and self.tool.granularity is not Granularity.ON_FINISH and not self.pool.in_loop:
             await self._attach_worker()
 
     async def field(self, key: str, value: Any) -> None:
@@ -622,6 +646,8 @@ class ToolCall:
             if self.failure is not None:
                 await self._abandon_worker()
                 return self._make_result(ok=False)
+            if self.pool.in_loop:
+                return await self._finish_in_loop(arguments)
             if self._worker is None:  # partial off or ON_FINISH: replay everything now
                 worker = await self._attach_worker()
                 kind = self.tool.granularity
@@ -659,6 +685,41 @@ class ToolCall:
         finally:
             self._done = True
             self._cancel_watchdog()
+
+    async def _finish_in_loop(self, arguments: dict[str, Any]) -> ToolResult:
+        """Run an :class:`AsyncTool`'s call here, in the event loop, within its wall time.
+
+        Its wall time counts from when a slot is free (like a worker's, from
+        when it takes the call); waiting for a slot is bounded by the runtime's
+        ``acquire_timeout_s``.  Cancelling the caller cancels the call."""
+        assert isinstance(self.pool, _LoopPool)
+        tool = self.tool
+        why = tool.unavailable()
+        if why:
+            self._fail(ToolUnavailable(why))
+            return self._make_result(ok=False)
+        try:
+            await asyncio.wait_for(self.pool.slots.acquire(), self.runtime.acquire_timeout_s)
+        except asyncio.TimeoutError:
+            self._fail(ToolError(f"no slot for tool {tool.name!r} became free in {self.runtime.acquire_timeout_s:g}s"))
+            return self._make_result(ok=False)
+        try:
+            content = await asyncio.wait_for(tool.call(arguments, self.request), self.timeout_s)
+            if not isinstance(content, str):
+                json.dumps(content)  # what reaches the model and the client must be JSON
+        except asyncio.TimeoutError:
+            self._fail(ToolTimeout(f"tool {tool.name!r} ran past its wall-time limit of {self.timeout_s:g}s"))
+            return self._make_result(ok=False)
+        except ToolError as exc:
+            self._fail(exc)
+            return self._make_result(ok=False)
+        except Exception as exc:  # a bug in the tool: reported to the model as a failure, logged here
+            log.exception("tool %r raised", tool.name)
+            self._fail(ToolError(f"{type(exc).__name__}: {exc}", error_type=type(exc).__name__))
+            return self._make_result(ok=False)
+        finally:
+            self.pool.slots.release()
+        return self._make_result(ok=True, content=content)
 
     async def cancel(self, reason: str = "cancelled") -> None:
         """Abandon the call: the worker drops it (or is killed if busy).  Idempotent."""
@@ -880,7 +941,7 @@ class ToolRuntime:
         self.acquire_timeout_s = acquire_timeout_s
         self.cancel_grace_s = cancel_grace_s
         self.stop_grace_s = stop_grace_s
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, _Pool | _LoopPool] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._state = "new"
 
@@ -898,7 +959,7 @@ class ToolRuntime:
             for tool in self.tools.values():
                 await asyncio.to_thread(tool.setup)
             for name, tool in self.tools.items():
-                self._pools[name] = _Pool(self, tool, self._sizes[name])
+                self._pools[name] = self._new_pool(tool)
             await asyncio.gather(*(pool.spawn() for pool in self._pools.values() for _ in range(pool.spares)))
         except BaseException:
             await self.close()
@@ -908,11 +969,43 @@ class ToolRuntime:
             pool.top_up()
             self._log_containment(pool)
 
-    def _log_containment(self, pool: _Pool) -> None:
+    def _new_pool(self, tool: Tool) -> _Pool | _LoopPool:
+        if isinstance(tool, AsyncTool):
+            return _LoopPool(self, tool)
+        return _Pool(self, tool, self._sizes[tool.name])
+
+    def update_tools(self, add: Iterable[AsyncTool] = (), remove: Iterable[str] = ()) -> None:
+        """Add or drop :class:`AsyncTool` tools while running (an MCP server's tool
+        list changed when it reconnected).  Calls already begun keep their tool;
+        a tool with worker processes cannot be added or dropped here."""
+        if self._state != "running":
+            raise RuntimeError("ToolRuntime.update_tools() needs a running runtime")
+        add, remove = list(add), list(remove)
+        for name in remove:
+            if name in self.tools and not isinstance(self.tools[name], AsyncTool):
+                raise ValueError(f"tool {name!r} has worker processes: it cannot be removed while running")
+        for tool in add:
+            if not isinstance(tool, AsyncTool):
+                raise ValueError(f"tool {tool.name!r} is not an AsyncTool: only those can be added while running")
+            if tool.name in self.tools and tool.name not in remove:
+                raise ValueError(f"duplicate tool name {tool.name!r}")
+        for name in remove:
+            self.tools.pop(name, None)
+            self._pools.pop(name, None)
+        for tool in add:
+            self.tools[tool.name] = tool
+            self._pools[tool.name] = _LoopPool(self, tool)
+
+    def _log_containment(self, pool: _Pool | _LoopPool) -> None:
         """Say at start-up what each tool's workers are confined by (the README promises it)."""
         tool = pool.tool
         info_fn = getattr(tool, "info", None)
         info = dict(info_fn() or {}) if callable(info_fn) else {}
+        if pool.in_loop:
+            log.info("tool %r: runs in the gateway's event loop (its work is done by another service), up to %d "
+                     "calls at once, wall time %ss; %s", tool.name, pool.tool.max_concurrent, tool.timeout_s,
+                     json.dumps(info, default=str))
+            return
         rlimits = next((w.info.get("rlimits") for w in pool.workers if w.info), None)
         kind = "a fresh process per call" if pool.per_call else f"{pool.spares} reusable worker(s)"
         log.info("tool %r: %s, memory %s MB, CPU %ss per call, wall time %ss; %s; rlimits %s",

@@ -56,11 +56,13 @@ from typing import Any
 __all__ = [
     "Granularity",
     "Tool",
+    "AsyncTool",
     "ToolError",
     "ToolTimeout",
     "ToolCrashed",
     "ToolCancelled",
     "ToolVetoed",
+    "ToolUnavailable",
     "InvalidToolArguments",
     "UnknownTool",
     "ToolConfigError",
@@ -121,6 +123,10 @@ class ToolCrashed(ToolError):
 
 class ToolCancelled(ToolError):
     """The call was cancelled (model output abandoned, client disconnected)."""
+
+
+class ToolUnavailable(ToolError):
+    """The service behind an :class:`AsyncTool` is down (an MCP server restarting)."""
 
 
 class ToolVetoed(ToolError):
@@ -323,3 +329,36 @@ def _best_error(validator: Any, instance: Any) -> Any:
     from jsonschema.exceptions import best_match
 
     return best_match(validator.iter_errors(instance))
+
+
+class AsyncTool(Tool):
+    """A tool whose work happens in another service (an MCP server, a web API).
+
+    The runtime runs :meth:`call` as a coroutine in the gateway's event loop,
+    with no worker process: the tool's own code only waits on I/O, and the
+    containment that worker processes give (rlimits, a clean environment, a
+    killable process group) belongs to the service doing the work.  Schema
+    validation (early, per field), the ``before_tool_execution`` policy, the
+    wall-time limit ``timeout_s`` and cancellation apply exactly as for other
+    tools.  ``workers``, ``memory_mb``, ``cpu_s``, ``nice`` and ``env`` do not
+    apply.  An async tool is not partially executed: :meth:`call` gets the
+    complete arguments.
+    """
+
+    #: Calls of this tool that may run at once (more wait their turn).
+    max_concurrent: int = 16
+
+    async def call(self, arguments: dict[str, Any], request: Any) -> Any:
+        """Run the call; return the result (a ``str`` or JSON-able value) or raise :class:`ToolError`."""
+        raise NotImplementedError(f"tool {self.name!r} does not implement call")
+
+    def unavailable(self) -> str | None:
+        """Why the tool cannot run now (its service is down), or ``None`` when it can."""
+        return None
+
+    def check(self) -> None:
+        super().check()
+        if self.granularity is not Granularity.ON_FINISH:
+            raise ToolConfigError(f"tool {self.name!r}: an AsyncTool gets its arguments whole (granularity ON_FINISH)")
+        if not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
+            raise ToolConfigError(f"tool {self.name!r}: max_concurrent must be a positive integer")

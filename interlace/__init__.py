@@ -16,8 +16,9 @@ package's own tests need only ``interlace`` and its light dependencies.
 """
 
 from .gateway.hookspecs import Veto, hookimpl
-from .gateway.tools import (COMMON_SETTINGS, Granularity, InvalidToolArguments, Tool, ToolCancelled,
-                            ToolConfigError, ToolCrashed, ToolError, ToolTimeout, ToolVetoed, UnknownTool)
+from .gateway.tools import (COMMON_SETTINGS, AsyncTool, Granularity, InvalidToolArguments, Tool, ToolCancelled,
+                            ToolConfigError, ToolCrashed, ToolError, ToolTimeout, ToolUnavailable, ToolVetoed,
+                            UnknownTool)
 from .gateway.plugin_host import DuplicateRegistration, PluginHookError, PluginHost, PluginLoadError
 from .parsers.base import StreamingParser
 from .parsers.formats import FormatError, ToolFormat
@@ -28,9 +29,9 @@ __all__ = [
     # hooks
     "hookimpl", "Veto",
     # tools
-    "Tool", "Granularity", "COMMON_SETTINGS",
+    "Tool", "AsyncTool", "Granularity", "COMMON_SETTINGS",
     "ToolError", "InvalidToolArguments", "ToolCancelled", "ToolConfigError", "ToolCrashed", "ToolTimeout",
-    "ToolVetoed", "UnknownTool",
+    "ToolUnavailable", "ToolVetoed", "UnknownTool",
     # parsers
     "StreamingParser", "ToolFormat", "FormatError", "Event", "Text", "ToolCallStart", "ArgumentsDelta", "FieldComplete", "LineComplete",
     "ToolCallEnd", "ParserError",
