@@ -108,6 +108,7 @@ class Gateway:
         self.parsers: Any = None
         self.services: Any = None  # what semantic calls run on (gateway/semantic.py)
         self.sessions: Any = None  # Semantic Variables sessions (gateway/sessions.py)
+        self.mcp: Any = None  # the MCP servers whose tools are served (gateway/mcp_client.py)
 
     async def start(self, app: Starlette) -> None:
         from ..parsers.base import ParserRegistry
@@ -115,13 +116,19 @@ class Gateway:
         from .tool_runtime import ToolRuntime
 
         cfg = self.config
-        self.host = PluginHost(cfg.tools, entrypoints=cfg.plugin_entrypoints,
-                               builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules), plugins=self.extra_plugins)
-        self.parsers = ParserRegistry()
-        for name, factory in self.host.parsers().items():
-            self.parsers.register(name, factory)
-        cfg.check_parsers(self.parsers.names())
         try:
+            if cfg.mcp_servers:  # first: their tools are registered with the others
+                from .mcp_client import McpHub
+
+                self.mcp = McpHub(cfg.mcp_servers)
+                await self.mcp.start()
+            self.host = PluginHost(cfg.tools, entrypoints=cfg.plugin_entrypoints,
+                                   builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules),
+                                   plugins=(*self.extra_plugins, *(self.mcp.plugins() if self.mcp else ())))
+            self.parsers = ParserRegistry()
+            for name, factory in self.host.parsers().items():
+                self.parsers.register(name, factory)
+            cfg.check_parsers(self.parsers.names())
             engines: Dict[str, Any] = {}  # models that differ only in name/parser share one engine
             zoo_specs = await asyncio.to_thread(zoo_engine_specs, cfg)
             for spec in cfg.models.values():
@@ -144,6 +151,10 @@ class Gateway:
                 self.metrics.watch_engine(spec.name, engine)
             self.runtime = ToolRuntime(self.host.tools(), policy=self.host.before_tool_execution)
             await self.runtime.start()
+            if self.mcp is not None:  # servers that start (or restart with other tools) from now on
+                self.mcp.on_change = lambda server, tools, removed: self._mcp_tools(server)
+                for server in self.mcp.servers.values():  # and those that came up while the rest started
+                    self._mcp_tools(server)
             self.services = Services(self.models, self.runtime, cfg.default_max_tokens,
                                      may_use_tool=lambda caller, tool: may_use_tool(
                                          guard_.permissions(cfg, caller)[0], tool), metrics=self.metrics)
@@ -155,6 +166,15 @@ class Gateway:
             await self.stop()
             raise
 
+    def _mcp_tools(self, server: Any) -> None:
+        """Serve ``server``'s current tools in place of those it had (the host and the runtime)."""
+        owner = f"mcp.{server.name}"
+        old = self.host.tool_names(owner)
+        kept = self.host.replace_tools(owner, server.tools.values())
+        self.runtime.update_tools(add=kept, remove=old)
+        if {t.name for t in kept} != set(old):
+            log.info("MCP server %r: now serving %s", server.name, ", ".join(t.name for t in kept) or "no tools")
+
     async def stop(self) -> None:
         if self.sessions is not None:  # their calls use the engines and tools: first
             await self.sessions.close()
@@ -165,6 +185,9 @@ class Gateway:
         if self.runtime is not None:
             await self.runtime.close()
             self.runtime = None
+        if self.mcp is not None:
+            await self.mcp.close()
+            self.mcp = None
         for m in self.models.values():
             if m.retention is not None:
                 await m.retention.close()

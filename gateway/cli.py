@@ -138,9 +138,24 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from interlace.gateway.plugin_host import BUILTIN_PLUGINS, PluginLoadError, list_plugins
 
     cfg = _config(args)
+
+    async def listing():
+        hub = None
+        if cfg.mcp_servers:  # connect to them: their tools are what they list now
+            from interlace.gateway.mcp_client import McpHub
+
+            hub = McpHub(cfg.mcp_servers)
+            await hub.start()
+        try:
+            return list_plugins(cfg.tools, entrypoints=cfg.plugin_entrypoints,
+                                builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules),
+                                plugins=hub.plugins() if hub else ())
+        finally:
+            if hub is not None:
+                await hub.close()
+
     try:
-        plugins = list_plugins(cfg.tools, entrypoints=cfg.plugin_entrypoints,
-                               builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules))
+        plugins = asyncio.run(listing())
     except (PluginLoadError, ImportError) as e:
         raise UserError(f"plugins: {_plugin_error(e)}") from e
     if args.json:
@@ -148,6 +163,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         return 0
     for p in plugins:
         print(f"{p['name']} {p.get('version') or ''}".rstrip())
+        if p.get("status"):
+            st = p["status"]
+            why = f": {st['last_error']}" if st.get("last_error") else ""
+            print(f"  {st.get('transport', '')} server, {st.get('state')}{why}")
         for t in p.get("tools", []):
             state = "" if t.get("enabled", True) else "  (disabled: needs settings)"
             print(f"  tool    {t['name']}{state}")
@@ -248,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     zo = sub.add_parser("zoo", help="BlockLLM block zoo: add, list, analyze, remove variants; make-variants",
                         add_help=False)  # its own parser (imported lazily: torch) reads the rest, --help too
     zo.set_defaults(fn=cmd_zoo)
+
+    mc = sub.add_parser("mcp", help="Model Context Protocol: serve Interlace's tools to MCP clients (mcp serve)",
+                        add_help=False)  # its own parser reads the rest, --help too
+    mc.set_defaults(fn=cmd_mcp)
     return p
 
 
@@ -265,6 +288,12 @@ def cmd_zoo(args: argparse.Namespace) -> int:
     return zoo_main(args.rest)
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    from interlace.gateway.mcp_cli import main as mcp_main
+
+    return mcp_main(args.rest)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -274,7 +303,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return sim_blocks_main(argv[2:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.fn in (cmd_profile, cmd_zoo):
+    if args.fn in (cmd_profile, cmd_zoo, cmd_mcp):
         args.rest = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

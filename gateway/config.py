@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import jsonschema
 import yaml
@@ -195,6 +196,26 @@ SCHEMA = {
                   "description": "settings per tool name, passed to Tool.configure"},
         "engine": {"type": "object", "additionalProperties": False, "properties": POLICY_PROPERTIES,
                    "description": "scheduling policy defaults of every model"},
+        "mcp_servers": {"type": "object", "additionalProperties": {
+            "type": "object", "additionalProperties": False,
+            "properties": {
+                "command": {"type": "string", "minLength": 1, "description": "stdio: the program to start"},
+                "args": {"type": "array", "items": {"type": "string"}},
+                "env": {"type": "object", "additionalProperties": {"type": "string"},
+                        "description": "stdio: environment variables beside a minimal one (values may be "
+                                       "os.environ/NAME)"},
+                "cwd": {"type": "string", "minLength": 1,
+                        "description": "stdio: working directory (relative to the config file)"},
+                "url": {"type": "string", "pattern": "^https?://",
+                        "description": "streamable HTTP: the server's endpoint"},
+                "headers": {"type": "object", "additionalProperties": {"type": "string"},
+                            "description": "streamable HTTP: headers of every request (e.g. Authorization: "
+                                           "os.environ/TOKEN)"},
+                "timeout_s": {"type": "number", "exclusiveMinimum": 0, "description": "wall time of one call"},
+                "startup_timeout_s": {"type": "number", "exclusiveMinimum": 0,
+                                      "description": "seconds to connect and list the tools"},
+            }},
+            "description": "MCP servers whose tools are served as NAME.TOOL (docs/mcp.md)"},
         "zoo": {"type": "string", "minLength": 1,
                 "description": "the block zoo directory of zoo/NAME models (default: $INTERLACE_ZOO, "
                                "else ~/.cache/interlace/zoo)"},
@@ -282,7 +303,67 @@ class ApiKey:
 
 
 def may_use_tool(permission: ServerTools, tool: str) -> bool:
-    return permission is True or (isinstance(permission, list) and tool in permission)
+    """Whether ``permission`` grants ``tool``: ``True`` grants every tool, a list its names,
+    where ``SERVER.*`` grants every tool of an MCP server."""
+    if permission is True:
+        return True
+    return isinstance(permission, list) and any(
+        p == tool or (p.endswith(".*") and tool.startswith(p[:-1])) for p in permission)
+
+
+@dataclass(frozen=True)
+class McpServerSpec:
+    """One ``mcp_servers`` entry: a stdio server (``command``) or a streamable HTTP one (``url``)."""
+
+    name: str
+    command: Optional[str] = None
+    args: Tuple[str, ...] = ()
+    env: Dict[str, str] = field(default_factory=dict)
+    cwd: Optional[str] = None
+    url: Optional[str] = None
+    headers: Dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 60.0
+    startup_timeout_s: float = 20.0
+
+    @property
+    def transport(self) -> str:
+        return "stdio" if self.command else "http"
+
+    def __repr__(self) -> str:  # env and headers may hold secrets: names only
+        where = f"command={self.command!r}, args={list(self.args)!r}" if self.command else f"url={self.url!r}"
+        return (f"McpServerSpec(name={self.name!r}, {where}, env={sorted(self.env)!r}, "
+                f"headers={sorted(self.headers)!r})")
+
+
+#: An MCP server's name: its tools are NAME.TOOL, so no dots.
+MCP_SERVER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+
+
+def _mcp_servers(raw: Dict[str, Any], source: str) -> Dict[str, McpServerSpec]:
+    """``mcp_servers`` entries to specs, each either stdio or HTTP, with a message per mistake."""
+    out: Dict[str, McpServerSpec] = {}
+    for name, m in raw.items():
+        where = f"{source}: mcp_servers.{name}"
+        if not MCP_SERVER_NAME.match(name):
+            raise ConfigError(f"{where}: a server name is 1-32 letters, digits, '_' or '-' (its tools are "
+                              f"named SERVER.TOOL, so no dots)")
+        if ("command" in m) == ("url" in m):
+            raise ConfigError(f"{where}: give either command (a stdio server) or url (a streamable HTTP server)"
+                              + (", not both" if "command" in m else ""))
+        wrong = [k for k in (("args", "env", "cwd") if "url" in m else ("headers",)) if k in m]
+        if wrong:
+            kind = "a streamable HTTP server (url)" if "url" in m else "a stdio server (command)"
+            raise ConfigError(f"{where}.{wrong[0]}: not a setting of {kind}")
+        cwd = m.get("cwd")
+        if cwd is not None and not os.path.isabs(cwd) and not source.startswith("<"):
+            cwd = str(Path(source).resolve().parent / cwd)
+        if cwd is not None and not os.path.isdir(cwd):
+            raise ConfigError(f"{where}.cwd: {cwd!r} is not a directory")
+        out[name] = McpServerSpec(name=name, command=m.get("command"), args=tuple(m.get("args", ())),
+                                  env=dict(m.get("env", {})), cwd=cwd, url=m.get("url"),
+                                  headers=dict(m.get("headers", {})), timeout_s=float(m.get("timeout_s", 60.0)),
+                                  startup_timeout_s=float(m.get("startup_timeout_s", 20.0)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -316,6 +397,7 @@ class GatewayConfig:
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
     source: str = "<dict>"
     zoo: Optional[str] = None  # the block zoo directory (None: the default)
+    mcp_servers: Dict[str, McpServerSpec] = field(default_factory=dict)
     raw: Dict[str, Any] = field(default_factory=dict)
     def check_parsers(self, installed: Iterable[str]) -> None:
         """:class:`ConfigError` naming the first model whose parser is not ``installed``."""
@@ -394,7 +476,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                          models=models, plugin_entrypoints=plugins["entrypoints"],
                          plugin_modules=list(plugins["modules"]), tools=dict(data.get("tools") or {}),
                          sessions=_sessions(server.get("sessions") or {}, source), source=source, raw=data,
-                         zoo=data.get("zoo"))
+                         zoo=data.get("zoo"), mcp_servers=_mcp_servers(data.get("mcp_servers") or {}, source))
 
 
 def engine_dict(engine: Union[str, Dict[str, Any]], path: str, native_args: Dict[str, Any]) -> Dict[str, Any]:

@@ -348,6 +348,41 @@ class PluginHost:
             self._tools = collected
         return {n: t for n, t in self._tools.items() if include_disabled or t.enabled}
 
+    def replace_tools(self, owner: str, tools: Iterable[Tool]) -> list[Tool]:
+        """Replace the tools plugin ``owner`` registered, while the gateway runs (an MCP
+        server that restarted with other tools); return the ones now registered.
+
+        Each new tool gets its settings as at ``register``; one whose settings
+        fail, or whose name another plugin holds, is left out with a log line
+        (the rest are served)."""
+        current = self.tools(include_disabled=True)
+        if owner not in self._plugins:
+            raise PluginLoadError(f"no plugin named {owner!r}")
+        kept: list[Tool] = []
+        for tool in tools:
+            other = self._tool_owner.get(tool.name)
+            if tool.name in current and other != owner:
+                log.error("tool %r of %r left out: the plugin %r registers that name", tool.name, owner, other)
+                continue
+            try:
+                configure_tool(tool, dict(self.tool_settings.get(tool.name, {})))
+            except Exception as exc:  # noqa: BLE001 - one tool's settings must not drop the others
+                log.error("tool %r of %r left out: %s", tool.name, owner, exc)
+                continue
+            kept.append(tool)
+        assert self._tools is not None
+        for name in self.tool_names(owner):
+            del self._tools[name], self._tool_owner[name]
+        for tool in kept:
+            self._tools[tool.name] = tool
+            self._tool_owner[tool.name] = owner
+        return kept
+
+    def tool_names(self, owner: str) -> list[str]:
+        """The names of the tools plugin ``owner`` registered."""
+        self.tools(include_disabled=True)
+        return [name for name, who in self._tool_owner.items() if who == owner]
+
     def parsers(self) -> dict[str, Callable[[], Any]]:
         """Parser factories by name (the parsers themselves live in ``interlace.parsers``).
 
@@ -419,7 +454,8 @@ class PluginHost:
 
         Each: ``name``, ``module``, ``package``, ``version``, ``builtin``,
         ``hooks`` (names it implements), ``tools`` (each with its ``info()``,
-        or ``{"error": ...}`` when ``info()`` raised) and ``parsers`` (names).
+        or ``{"error": ...}`` when ``info()`` raised) and ``parsers`` (names);
+        plus ``status`` for a plugin that reports one (an MCP server's state).
         """
         tools = self.tools(include_disabled=True)
         parsers = self.parsers()
@@ -439,6 +475,9 @@ class PluginHost:
                           if self._tool_owner.get(tool_name) == name],
                 "parsers": sorted(p for p in parsers if self._parser_owner.get(p) == name),
             })
+            status = getattr(plugin, "plugin_status", None)
+            if callable(status):
+                out[-1]["status"] = status()
         return out
 
 
