@@ -102,7 +102,8 @@ def before_tool_execution(tool_name, arguments, request):
 
     ``request`` describes the HTTP request: ``{"model": ..., "user": ...,
     "key": ...}`` where ``key`` is the name of the caller's API key (``None``
-    when the gateway has no keys).  ``arguments`` may be partial when the tool
+    when the gateway has no keys); a call from an MCP client (``interlace mcp
+    serve``) adds ``"via": "mcp"``, with ``model`` ``None``.  ``arguments`` may be partial when the tool
     runs on partial arguments: the runtime asks once when the call begins
     (``{}``), again before each field or code line is handed to the tool (the
     arguments so far; code lines joined under the tool's ``line_field``), and
