@@ -136,6 +136,7 @@ class McpServer:
         self.tools: dict[str, McpTool] = {}
         self.last_error: str | None = None
         self.restarts = 0
+        self.in_flight = 0  # calls sent and not answered yet
         self.next_attempt_at: float | None = None  # time.time() of the next attempt while unavailable
         self.first_attempt = asyncio.Event()
         self._client: Any = None
@@ -163,7 +164,7 @@ class McpServer:
 
     def status(self) -> dict[str, Any]:
         return {"transport": self.spec.transport, "state": self.state, "last_error": self.last_error,
-                "restarts": self.restarts}
+                "restarts": self.restarts, "calls_in_flight": self.in_flight}
 
     async def call(self, remote: str, arguments: dict[str, Any]) -> Any:
         """One ``tools/call``; raises :class:`ToolError` (a subclass) for every failure.
@@ -178,9 +179,11 @@ class McpServer:
             raise ToolUnavailable(self.unavailable() or f"MCP server {self.name!r} is unavailable")
         call = asyncio.ensure_future(client.call_tool(remote, arguments))
         gone = asyncio.ensure_future(dead.wait())
+        self.in_flight += 1
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when the runtime cancels us (wall time, client gone)
+        finally:  # also when the runtime cancels us (wall time, client gone): the SDK cancels it on the server
+            self.in_flight -= 1
             gone.cancel()
             if not call.done():
                 call.cancel()

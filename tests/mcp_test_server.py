@@ -8,7 +8,8 @@ Run as ``python tests/mcp_test_server.py [stdio | http PORT]``.  Its tools:
 * ``forecast(city, days, units)`` -- a tool with a real schema (enum, bounds,
   required keys), for early abort on a schema violation;
 * ``die()`` -- the server process exits in the middle of the call;
-* ``calls()`` -- how many tool calls this process has served (tells a restart).
+* ``calls()`` -- how many tool calls this process has served (tells a restart);
+* ``cancelled()`` -- how many ``slow`` calls the client cancelled.
 
 ``MCP_TEST_MARKER`` in the environment, when set, is echoed by ``env`` (the
 gateway passes a server's configured ``env``); the gateway's own variables
@@ -29,6 +30,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 
 server = MCPServer("interlace-test", log_level="WARNING")
 _calls = 0
+_cancelled = 0
 
 
 def _count() -> None:
@@ -44,9 +46,19 @@ def echo(text: str) -> str:
 
 @server.tool(description="Sleep for `seconds`, then say so.")
 async def slow(seconds: float) -> str:
+    global _cancelled
     _count()
-    await asyncio.sleep(seconds)
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:  # the client cancelled the request (notifications/cancelled)
+        _cancelled += 1
+        raise
     return f"slept {seconds:g}s"
+
+
+@server.tool(description="How many `slow` calls the client cancelled.")
+def cancelled() -> int:
+    return _cancelled
 
 
 @server.tool(description="Always fails with the given message.")

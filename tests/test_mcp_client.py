@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import socket
 import subprocess
 import sys
 import time
@@ -371,6 +371,37 @@ def test_gateway_server_death_mid_call_is_an_error_result_then_it_comes_back(liv
     echo = '<tool_call>\n{"name": "t.echo", "arguments": {"text": "back"}}\n</tool_call>'
     (res,) = ask(live, [echo, "ok"]).model_extra["interlace"]["tool_calls"]
     assert res["ok"] and res["content"] == "back"
+
+
+def test_gateway_client_gone_mid_call_frees_the_request(live):
+    """A streaming client that disconnects while an MCP call runs: the call is
+    cancelled on the server too, the engine context freed, and the next request
+    is served at once."""
+    from gateway_server import wait_idle
+
+    slow = '<tool_call>\n{"name": "t.slow", "arguments": {"seconds": 30}}\n</tool_call>'
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True,
+            "interlace": {"server_tools": ["t.slow"], "replay": [slow, "done"]}}
+    server = live.gateway.mcp.servers["t"]
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", live.port)) as sock:  # a client that never reads
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        deadline = time.time() + 120
+        while server.in_flight == 0:  # the arguments are complete and the server has the call
+            assert time.time() < deadline, "the call never reached the server"
+            time.sleep(0.02)
+    # hung up while the tool sleeps
+    t0 = time.monotonic()
+    state = wait_idle(live, timeout=20, model="m")
+    assert state["contexts"] == 0, state
+    assert time.monotonic() - t0 < 20 and server.in_flight == 0
+    echo = '<tool_call>\n{"name": "t.echo", "arguments": {"text": "next"}}\n</tool_call>'
+    (res,) = ask(live, [echo, "ok"]).model_extra["interlace"]["tool_calls"]
+    assert res["ok"] and res["content"] == "next"
+    count = '<tool_call>\n{"name": "t.cancelled", "arguments": {}}\n</tool_call>'
+    (res,) = ask(live, [count, "ok"]).model_extra["interlace"]["tool_calls"]
+    assert res["ok"] and res["content"] == "1"  # the MCP server saw its call cancelled
 
 
 # ------------------------------------------------------------------ helpers
