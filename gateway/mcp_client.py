@@ -230,14 +230,16 @@ class McpServer:
             self.state = "unavailable"  # at once: calls fail fast while the supervisor restarts it
             self._dead.set()
 
-    def _client_context(self) -> Any:
-        """The SDK client for this server (not entered yet)."""
+    def _client_context(self, stack: contextlib.ExitStack) -> Any:
+        """The SDK client for this server (not entered yet); what it needs closed afterwards goes on ``stack``."""
         from mcp import Client, StdioServerParameters
+        from mcp.client.stdio import stdio_client
 
         spec = self.spec
         if spec.command:
-            return Client(StdioServerParameters(command=spec.command, args=list(spec.args), env=dict(spec.env),
-                                                cwd=spec.cwd), cache=None)
+            params = StdioServerParameters(command=spec.command, args=list(spec.args), env=dict(spec.env),
+                                           cwd=spec.cwd)
+            return Client(stdio_client(params, errlog=stack.enter_context(_StderrToLog(self.name))), cache=None)
         from mcp.client.streamable_http import streamable_http_client
 
         import httpx2
@@ -247,17 +249,22 @@ class McpServer:
 
     async def _connection(self, ready: asyncio.Future[tuple[Any, list[Any]]], dead: asyncio.Event) -> None:
         """Connect, list the tools, hand both over through ``ready``, hold the connection until ``dead``."""
-        async with self._client_context() as client:
-            listed: list[Any] = []
-            cursor = None
-            for _ in range(MAX_LIST_PAGES):
-                page = await client.list_tools(cursor=cursor)
-                listed.extend(page.tools)
-                cursor = page.next_cursor
-                if not cursor:
-                    break
-            ready.set_result((client, listed))
-            await dead.wait()
+        with contextlib.ExitStack() as stack:
+            async with self._client_context(stack) as client:
+                await self._hold(client, ready, dead)
+
+    @staticmethod
+    async def _hold(client: Any, ready: asyncio.Future[tuple[Any, list[Any]]], dead: asyncio.Event) -> None:
+        listed: list[Any] = []
+        cursor = None
+        for _ in range(MAX_LIST_PAGES):
+            page = await client.list_tools(cursor=cursor)
+            listed.extend(page.tools)
+            cursor = page.next_cursor
+            if not cursor:
+                break
+        ready.set_result((client, listed))
+        await dead.wait()
 
     async def _supervise(self) -> None:
         loop = asyncio.get_running_loop()
@@ -360,6 +367,64 @@ class McpServer:
                 self.hub.on_change(self, list(tools.values()), old)
             except Exception:  # noqa: BLE001 - the old tools stay served
                 log.exception("MCP server %r: its new tool list could not be registered", self.name)
+
+
+class _StderrToLog:
+    """A stdio server's stderr, into the gateway's log line by line (``mcp.SERVER: ...``).
+
+    The SDK hands the server a file to write its stderr to; a pipe read in the
+    event loop keeps its output with the gateway's (and works where
+    ``sys.stderr`` is not a real file)."""
+
+    MAX_LINE = 2000
+
+    def __init__(self, server: str) -> None:
+        self.log = logging.getLogger(f"{__name__}.{server}")
+        self._buffer = b""
+
+    def __enter__(self) -> Any:
+        import os
+
+        self._read, write = os.pipe()
+        os.set_blocking(self._read, False)
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._read, self._drain)
+        self._write = os.fdopen(write, "w", encoding="utf-8", errors="replace")
+        return self._write
+
+    def _drain(self) -> None:
+        import os
+
+        try:
+            data = os.read(self._read, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._loop.remove_reader(self._read)
+            return
+        *lines, self._buffer = (self._buffer + data).split(b"\n")
+        for line in lines:
+            self._emit(line)
+        if len(self._buffer) > self.MAX_LINE:
+            self._emit(self._buffer)
+            self._buffer = b""
+
+    def _emit(self, line: bytes) -> None:
+        text = line.decode("utf-8", "replace").rstrip()
+        if text:
+            self.log.info("%s", text[: self.MAX_LINE])
+
+    def __exit__(self, *exc: Any) -> None:
+        import os
+
+        self._write.close()
+        self._drain()
+        self._loop.remove_reader(self._read)
+        if self._buffer:
+            self._emit(self._buffer)
+        os.close(self._read)
 
 
 class _HttpClient:

@@ -8,6 +8,7 @@ Run as ``python tests/mcp_test_server.py [stdio | http PORT]``.  Its tools:
 * ``forecast(city, days, units)`` -- a tool with a real schema (enum, bounds,
   required keys), for early abort on a schema violation;
 * ``die()`` -- the server process exits in the middle of the call;
+* ``shout(text)`` -- writes the text to the server's stderr;
 * ``calls()`` -- how many tool calls this process has served (tells a restart);
 * ``cancelled()`` -- how many ``slow`` calls the client cancelled.
 
@@ -82,6 +83,13 @@ async def die() -> str:
     _count()
     await asyncio.sleep(0.05)
     os._exit(3)
+
+
+@server.tool(description="Write the text to the server's stderr.")
+def shout(text: str) -> str:
+    _count()
+    print(text, file=sys.stderr, flush=True)
+    return "said"
 
 
 @server.tool(description="How many calls this server process has served.")

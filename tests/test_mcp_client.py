@@ -83,10 +83,29 @@ def test_a_server_wildcard_grants_its_tools_only():
     assert not may_use_tool(["t.echo"], "t.fail") and not may_use_tool(False, "t.echo")
 
 
+def test_interlace_plugins_lists_mcp_tools_and_server_state(tmp_path, capsys):
+    from interlace.gateway.cli import main
+
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(json.dumps({"models": MODEL, "mcp_servers": {
+        "t": {"command": sys.executable, "args": [SERVER]},
+        "gone": {"command": "/no/such/mcp-server", "startup_timeout_s": 2}}}))
+    assert main(["plugins", "--config", str(cfg), "--json"]) == 0
+    plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
+    t, gone = plugins["mcp.t"], plugins["mcp.gone"]
+    assert {"t.echo", "t.forecast"} <= {tool["name"] for tool in t["tools"]}
+    assert t["status"]["state"] == "ready" and gone["status"]["state"] == "unavailable"
+    assert "No such file" in gone["status"]["last_error"]
+    assert main(["plugins", "--config", str(cfg)]) == 0
+    text = capsys.readouterr().out
+    assert "mcp.gone\n  stdio server, unavailable: cannot start '/no/such/mcp-server'" in text
+    assert "  tool    t.forecast" in text
+
+
 # ------------------------------------------------------------------ the hub, over stdio
 
 
-async def test_stdio_listing_calls_errors_and_environment(monkeypatch):
+async def test_stdio_listing_calls_errors_and_environment(monkeypatch, caplog):
     monkeypatch.setenv("INTERLACE_GATEWAY_SECRET", "must-not-leak")
     async with McpHub({"t": stdio_spec(env={"MCP_TEST_MARKER": "hello"})}) as hub:
         tools = hub.tools()
@@ -103,6 +122,10 @@ async def test_stdio_listing_calls_errors_and_environment(monkeypatch):
         with pytest.raises(ToolError, match="boom") as info:
             await tools["t.fail"].call({"message": "boom"}, None)
         assert info.value.error_type == "McpToolError"
+        caplog.set_level("INFO", logger="interlace.gateway.mcp_client.t")
+        assert await tools["t.shout"].call({"text": "hello from the server"}, None) == "said"
+        await _until(lambda: any(r.name == "interlace.gateway.mcp_client.t" and r.getMessage() == "hello from the server"
+                                 for r in caplog.records), 5)  # its stderr, in the gateway's log
 
 
 async def test_death_mid_call_marks_unavailable_then_restarts():
