@@ -102,6 +102,25 @@ def test_interlace_plugins_lists_mcp_tools_and_server_state(tmp_path, capsys):
     assert "  tool    t.forecast" in text
 
 
+def test_tools_interlace_cannot_serve_are_skipped_not_fatal(caplog):
+    from types import SimpleNamespace
+
+    from interlace.gateway.mcp_client import McpServer
+
+    def remote(name, schema):
+        return SimpleNamespace(name=name, description="d", title=None, input_schema=schema)
+
+    server = McpServer(stdio_spec("s"), McpHub({}))
+    good = {"type": "object", "properties": {"q": {"type": "string"}}}
+    server._set_tools([remote("ok", good), remote("has space", good), remote("x" * 70, good),
+                       remote("badschema", {"type": "object", "properties": {"q": {"type": 12}}}),
+                       remote("noschema", {})])
+    assert set(server.tools) == {"s.ok", "s.noschema"}
+    assert server.tools["s.noschema"].parameters == {"type": "object", "properties": {}}
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 3 and any("has space" in m for m in skipped)
+
+
 # ------------------------------------------------------------------ the hub, over stdio
 
 
