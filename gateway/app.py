@@ -129,6 +129,11 @@ class Gateway:
             for name, factory in self.host.parsers().items():
                 self.parsers.register(name, factory)
             cfg.check_parsers(self.parsers.names())
+            if any(r["kind"] == "native" for spec in cfg.models.values() for r in spec.replicas):
+                from ..engine_ext.native.setup import set_engine_threads
+
+                threads, why = set_engine_threads(cfg.threads)
+                log.info("native engine threads: %d (%s)", threads, why)
             engines: Dict[str, Any] = {}  # models that differ only in name/parser share one engine
             zoo_specs = await asyncio.to_thread(zoo_engine_specs, cfg)
             for spec in cfg.models.values():
@@ -290,6 +295,7 @@ def load_replica(spec: ModelSpec, r: Dict[str, Any], where: str = "", label: str
         if r.get("worker", "thread") == "thread":
             return load_native(spec.path, kwargs, spec.policy)
         process_engine = _optional(where, kind, "..engine_ext.worker", "ProcessEngine")
+        kwargs["threads"] = r.get("threads") or _process_threads(spec)
         return process_engine.start({"path": spec.path, **kwargs}, spec.policy, name=label)
     from ..engine_ext.embedded import embedded_model_dir
 
@@ -303,6 +309,16 @@ def load_replica(spec: ModelSpec, r: Dict[str, Any], where: str = "", label: str
         load_openai_engine = _optional(where, kind, "..engine_ext.openai_http", "load_openai_engine")
         return load_openai_engine(dict(r), path, spec.policy, name=label)
     raise ConfigError(f"{where}.kind: unknown engine kind {kind!r}")
+
+
+def _process_threads(spec: ModelSpec) -> int:
+    """A process replica's torch threads when its config does not say: the
+    gateway's (engine.threads, else the usable cores) shared out among the
+    model's process replicas, so together they do not oversubscribe the cores."""
+    import torch
+
+    workers = sum(1 for r in spec.replicas if r["kind"] == "native" and r.get("worker") == "process")
+    return max(1, torch.get_num_threads() // max(1, workers))
 
 
 def _optional(where: str, kind: str, module: str, name: str) -> Any:

@@ -125,6 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     check_serve_config(cfg)
+    # Interlace's own start-up lines (tool containment, MCP servers, engine threads) at the chosen level
+    logging.getLogger("interlace").setLevel("DEBUG" if args.log_level == "trace" else args.log_level.upper())
     host, port = args.host or cfg.host, args.port if args.port is not None else cfg.port
     cfg.host, cfg.port = host, port  # so the start-up warnings name the real address
     app = create_app(cfg)
@@ -241,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="YAML config (default: the embedded model with built-in plugins)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-level", default="info", type=str.lower,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.set_defaults(fn=cmd_serve)
 
     pl = sub.add_parser("plugins", help="list installed plugins, their tools and parsers")

@@ -70,6 +70,9 @@ ENGINE_KIND_PROPERTIES = {
     "native": {
         "worker": {"enum": ["thread", "process"],
                    "description": "thread: in the gateway's process (default); process: in a worker process"},
+        "threads": {"type": "integer", "minimum": 1,
+                    "description": "worker: process only: the worker's torch threads (default: engine.threads "
+                                   "shared out among the model's process replicas)"},
         "variants": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
                      "description": "zoo models (path: zoo/NAME): the variants this replica holds "
                                     "(default: every zoo model of its base in this config)"},
@@ -194,7 +197,12 @@ SCHEMA = {
         },
         "tools": {"type": "object", "additionalProperties": {"type": "object"},
                   "description": "settings per tool name, passed to Tool.configure"},
-        "engine": {"type": "object", "additionalProperties": False, "properties": POLICY_PROPERTIES,
+        "engine": {"type": "object", "additionalProperties": False,
+                   "properties": {**POLICY_PROPERTIES,
+                                  "threads": {"type": "integer", "minimum": 1,
+                                              "description": "torch (OpenMP) threads of the native engines in "
+                                                             "the gateway's process (default: the cores this "
+                                                             "process may use, from its affinity mask)"}},
                    "description": "scheduling policy defaults of every model"},
         "mcp_servers": {"type": "object", "additionalProperties": {
             "type": "object", "additionalProperties": False,
@@ -397,6 +405,7 @@ class GatewayConfig:
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
     source: str = "<dict>"
     zoo: Optional[str] = None  # the block zoo directory (None: the default)
+    threads: Optional[int] = None  # engine.threads (None: the cores in the affinity mask)
     mcp_servers: Dict[str, McpServerSpec] = field(default_factory=dict)
     raw: Dict[str, Any] = field(default_factory=dict)
     def check_parsers(self, installed: Iterable[str]) -> None:
@@ -459,7 +468,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
     server = {**DEFAULTS["server"], **data.get("server", {})}
     plugins = {**DEFAULTS["plugins"], **data.get("plugins", {})}
     models = {}
-    defaults = data.get("engine") or {}
+    defaults = {k: v for k, v in (data.get("engine") or {}).items() if k != "threads"}
     for name, m in data["models"].items():
         m = {**MODEL_DEFAULTS, **m}
         engine_args = {k: v for k, v in m.items()
@@ -476,7 +485,8 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                          models=models, plugin_entrypoints=plugins["entrypoints"],
                          plugin_modules=list(plugins["modules"]), tools=dict(data.get("tools") or {}),
                          sessions=_sessions(server.get("sessions") or {}, source), source=source, raw=data,
-                         zoo=data.get("zoo"), mcp_servers=_mcp_servers(data.get("mcp_servers") or {}, source))
+                         zoo=data.get("zoo"), threads=(data.get("engine") or {}).get("threads"),
+                         mcp_servers=_mcp_servers(data.get("mcp_servers") or {}, source))
 
 
 def engine_dict(engine: Union[str, Dict[str, Any]], path: str, native_args: Dict[str, Any]) -> Dict[str, Any]:
@@ -503,6 +513,9 @@ def _replicas(raw: Dict[str, Any], path: str, native_args: Dict[str, Any], where
                               f"(block sharing), not {kind}")
         if not zoo and isinstance(e, dict) and "variants" in e:
             raise ConfigError(f"{source}: {where}: variants: only for zoo models (path: zoo/NAME)")
+        if isinstance(e, dict) and "threads" in e and e.get("worker", "thread") != "process":
+            raise ConfigError(f"{source}: {where}: threads: only for a replica with worker: process (engines in "
+                              f"the gateway's process share engine.threads)")
     if isinstance(replicas, list):
         if "engine" in raw:
             raise ConfigError(f"{source}: {where}.replicas: a list of replicas names each one's engine; "

@@ -190,3 +190,46 @@ def test_a_remote_replicas_api_key_is_not_printed(monkeypatch):
     cfg = parse_config({"models": {"m": {"path": "x", "engine": {"kind": "openai", "url": "https://h/v1",
                                                                    "api_key": "os.environ/REMOTE_KEY"}}}})
     assert "s3cret-value" not in repr(cfg.models["m"]) and "***" in repr(cfg.models["m"])
+
+
+def test_engine_threads_are_set_before_engines_load_and_shared_by_process_replicas(caplog):
+    import asyncio
+    import os
+
+    import torch
+
+    from interlace.gateway.app import Gateway, _process_threads
+
+    old = torch.get_num_threads()
+    seen = []
+
+    def factory(spec):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("stop here")
+
+    try:
+        for engine, expected in (({"threads": 1}, 1), ({}, len(os.sched_getaffinity(0)))):
+            torch.set_num_threads(3)
+            cfg = parse_config({"engine": engine, "models": {"m": {"path": "embedded"}}})
+            caplog.clear()
+            caplog.set_level("INFO", logger="interlace.gateway.app")
+            with pytest.raises(RuntimeError, match="stop here"):
+                asyncio.run(Gateway(cfg, engine_factory=factory).start(None))
+            assert seen[-1] == expected
+            assert any(f"native engine threads: {expected} (" in r.getMessage() for r in caplog.records)
+        torch.set_num_threads(4)
+        spec = parse_config({"models": {"m": {"path": "embedded", "replicas": [
+            {"kind": "native", "worker": "process"}, {"kind": "native", "worker": "process", "threads": 3},
+            {"kind": "native"}]}}}).models["m"]
+        assert _process_threads(spec) == 2  # 4 threads over 2 process replicas
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"engine": {"threads": 0}}, "engine.threads"),
+    ({"models": {"m": {"path": "embedded", "engine": {"kind": "native", "threads": 2}}}}, "only for a replica with worker: process"),
+])
+def test_thread_setting_errors(raw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_config({"models": {"m": {"path": "embedded"}}, **raw})
