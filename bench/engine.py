@@ -1,20 +1,26 @@
 """Engine throughput: prefill and decode tokens/s at several batch sizes, the
-native engine side by side with Hugging Face transformers ``generate`` on the
-same prompts and the same weights (the embedded SmolLM2-135M-Instruct unless
-``--model`` says otherwise), each in float32 and bfloat16.
+native engine side by side with its peers on the same prompts and the same
+model (the embedded SmolLM2-135M-Instruct unless ``--model`` says otherwise):
+Hugging Face transformers ``generate`` (always), llama.cpp through
+``llama-cpp-python`` on the GGUF file as shipped (batch 1: its Python API runs
+one sequence; when it is installed and the model is a GGUF), and vLLM's CPU
+engine (when ``vllm`` imports, or ``--vllm-python`` names a Python that has it;
+prefix caching off, eager).
 
-    interlace bench engine [--batches 1 8 32] [--prompt-len 128] [--new 64] [--repeat 3]
+    interlace bench engine [--batches 1 8 32] [--new 64] [--long 2048] [--repeat 3]
+                           [--variants "interlace float32" "vllm bfloat16" ...]
 
-Method.  All prompts have the same length, so transformers needs no padding;
-they are random token ids, so no two share a prefix (nothing is served from
-the engine's prefix cache).  Prefill tokens/s = batch * prompt_len /
-(time to compute the prompts' KV): for the engine, concurrent ``fill`` calls;
-for transformers, ``generate(max_new_tokens=1)``.  Decode tokens/s = batch *
-(new - 1) / decode time: for the engine, the ``generate`` streams after the
-fill (its first token comes from the fill's logits and is not counted); for
-transformers, ``generate(new)`` minus ``generate(1)``.  Greedy, EOS ignored.
+Method.  Prompt lengths vary from row to row (``--prompt-lens``, default 60
+to 200 tokens, drawn per row), the same prompts for every engine; they are
+random token ids, so no two share a prefix (nothing is served from a prefix
+cache).  ``--long N`` adds a batch-1 row with an N-token prompt.  Prefill
+tokens/s = prompt tokens / time to compute the prompts' KV (the engine:
+concurrent ``fill`` calls; the others: a one-token generation).  Decode
+tokens/s = batch * (new - 1) / decode time (the engine: the ``generate``
+streams after the fill; the others: a ``new``-token generation minus the
+one-token one; llama.cpp: the tokens after the first).  Greedy, EOS ignored.
 
-Each variant (engine x dtype) is measured in a fresh subprocess (so no
+Each variant (engine x weights) is measured in a fresh subprocess (so no
 variant inherits another's threads, caches or allocator state), the variants
 take turns within each of ``--repeat`` rounds (so a noisy neighbour on a
 shared machine hits them alike), and the best round per cell is reported.
@@ -34,14 +40,16 @@ from typing import Dict, List, Optional
 
 from interlace.bench import describe_machine, machine as machine_description
 
-def prompts(vocab_size: int, n: int, length: int, seed: int) -> List[List[int]]:
+def prompts(vocab_size: int, n: int, length: "int | tuple", seed: int) -> List[List[int]]:
     """``n`` prompts of random token ids (clear of the special tokens at both
-    ends of the vocabulary).  Random, so that no two prompts -- and no two
+    ends of the vocabulary), each ``length`` tokens long, or a length drawn
+    from ``(lo, hi)`` per row.  Random, so that no two prompts -- and no two
     batch sizes or rounds -- share a prefix: the engine's prefix cache must
     not turn a prefill measurement into a cache hit."""
     rng = random.Random(seed)
     lo, hi = min(1000, vocab_size // 4), vocab_size - 100
-    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+    lengths = [length if isinstance(length, int) else rng.randint(*length) for _ in range(n)]
+    return [[rng.randrange(lo, hi) for _ in range(k)] for k in lengths]
 
 
 def bench_native(engine, batch: List[List[int]], new: int) -> Dict[str, float]:
@@ -67,15 +75,15 @@ def bench_native(engine, batch: List[List[int]], new: int) -> Dict[str, float]:
         return t1 - t0, t2 - t1
 
     tp, td = asyncio.run(go())
-    plen = len(batch[0])
-    return {"prefill": len(batch) * plen / tp, "decode": len(batch) * (new - 1) / td}
+    return {"prefill": sum(map(len, batch)) / tp, "decode": len(batch) * (new - 1) / td}
 
 
 def bench_hf(model, batch: List[List[int]], new: int) -> Dict[str, float]:
     import torch
 
-    ids = torch.tensor(batch)
-    mask = torch.ones_like(ids)
+    width = max(map(len, batch))  # left padding: every row's last prompt token at the end
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     kw = dict(do_sample=False, attention_mask=mask, pad_token_id=0)
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -85,7 +93,41 @@ def bench_hf(model, batch: List[List[int]], new: int) -> Dict[str, float]:
         t2 = time.perf_counter()
     assert out.shape[1] == ids.shape[1] + new
     tp, tg = t1 - t0, t2 - t1
-    return {"prefill": len(batch) * ids.shape[1] / tp, "decode": len(batch) * (new - 1) / max(tg - tp, 1e-9)}
+    return {"prefill": sum(map(len, batch)) / tp, "decode": len(batch) * (new - 1) / max(tg - tp, 1e-9)}
+
+
+def bench_vllm(llm, batch: List[List[int]], new: int) -> Dict[str, float]:
+    from vllm import SamplingParams, TokensPrompt
+
+    def gen(n: int) -> float:
+        sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], sp, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == n for o in out)
+        return time.perf_counter() - t0
+
+    tp = gen(1)
+    tg = gen(new)
+    return {"prefill": sum(map(len, batch)) / tp, "decode": len(batch) * (new - 1) / max(tg - tp, 1e-9)}
+
+
+def bench_llama_cpp(llm, batch: List[List[int]], new: int) -> Optional[Dict[str, float]]:
+    """One sequence at a time (llama-cpp-python's API): batch 1 only."""
+    if len(batch) != 1:
+        return None
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(batch[0])  # the prompt's KV
+    t1 = time.perf_counter()
+    n = 0
+    for _ in llm.generate(batch[0], top_k=1, temp=0.0, reset=False):  # greedy; the prompt is evaluated already
+        n += 1
+        if n == 1:
+            t2 = time.perf_counter()
+        if n == new:
+            break
+    t3 = time.perf_counter()
+    return {"prefill": len(batch[0]) / (t1 - t0), "decode": (new - 1) / (t3 - t2)}
 
 
 def machine() -> Dict[str, object]:
@@ -101,100 +143,219 @@ def machine() -> Dict[str, object]:
     return machine_description(**extra)
 
 
-def measure(variant: str, model: Optional[str], batches: List[int], prompt_len: int, new: int) -> Dict[int, dict]:
-    """One variant ("interlace float32", "transformers bfloat16", ...), all
-    batch sizes, in this process."""
+#: Cases measured per variant: batch sizes, and "long" (batch 1, a ``--long``-token prompt).
+LONG = "long"
+
+
+def cases(batches: List[int], long: int) -> List[str]:
+    return [str(b) for b in batches] + ([LONG] if long else [])
+
+
+def case_prompts(case: str, vocab: int, lens: tuple, long: int, seed: int) -> List[List[int]]:
+    if case == LONG:
+        return prompts(vocab, 1, long, seed)
+    return prompts(vocab, int(case), lens, seed)
+
+
+def gguf_of(model: Optional[str]) -> Optional[Path]:
+    """The GGUF file a variant that runs GGUF files (llama.cpp) loads: ``--model`` when it is one,
+    the embedded model's otherwise; None for a Hugging Face directory."""
+    if model is None:
+        from interlace.engine_ext.embedded import embedded_gguf
+
+        return embedded_gguf()
+    return Path(model) if str(model).endswith(".gguf") else None
+
+
+def load_variant(variant: str, model: Optional[str], kv_tokens: int):
+    """(bench function, engine, closer) for one variant, loaded in this process."""
     import torch
 
     from interlace.engine_ext.embedded import embedded_model_dir
-    from interlace.engine_ext.native.engine import NativeEngine
+    from interlace.engine_ext.native.loader import resolve_model_dir
+
+    kind, what = variant.split(maxsplit=1)
+    model_dir = resolve_model_dir(model) if model else embedded_model_dir()
+    if kind == "interlace":
+        from interlace.engine_ext.native.engine import NativeEngine
+
+        eng = NativeEngine.load(model or model_dir, **engine_weights(what), kv_cache_tokens=kv_tokens)
+        return bench_native, eng, eng.close
+    if kind == "transformers":
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, what)).eval()
+        return bench_hf, hf, lambda: None
+    if kind == "vllm":
+        import os
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, -(-kv_tokens * 100_000 // 2**30))))
+        from vllm import LLM
+
+        llm = LLM(model=str(model_dir), dtype=what, enforce_eager=True, enable_prefix_caching=False,
+                  max_model_len=min(8192, kv_tokens), seed=0)
+        return bench_vllm, llm, lambda: None
+    if kind == "llama.cpp":
+        from llama_cpp import Llama
+
+        gguf = gguf_of(model)
+        llm = Llama(model_path=str(gguf), n_ctx=min(8192, kv_tokens), n_batch=512, verbose=False, seed=0,
+                    n_threads=torch.get_num_threads())
+        return bench_llama_cpp, llm, llm.close
+    raise SystemExit(f"unknown variant {variant!r}")
+
+
+def engine_weights(what: str) -> Dict[str, str]:
+    """``interlace X``: X is a dtype (float32, bfloat16: dense weights in it) or a weights setting
+    (as-shipped, int8: quantized weights, float32 activations)."""
+    if what in ("float32", "bfloat16", "float16"):
+        return {"dtype": what}
+    return {"weights": what}
+
+
+def measure(variant: str, model: Optional[str], batches: List[int], lens: tuple, long: int,
+            new: int) -> Dict[str, Optional[dict]]:
+    """One variant ("interlace float32", "vllm bfloat16", "llama.cpp Q4_1", ...), every case, in this process."""
+    from interlace.engine_ext.embedded import embedded_model_dir
     from interlace.engine_ext.native.loader import load_config, resolve_model_dir
 
-    engine, dtype = variant.split()
     model_dir = resolve_model_dir(model) if model else embedded_model_dir()
     vocab = load_config(model_dir)[1].vocab_size
-    seeds = {b: 1000 * b + 7 for b in batches}
-    if engine == "interlace":
-        need = max(batches) * (prompt_len + new) + 1024
-        with NativeEngine.load(model_dir, dtype=dtype, kv_cache_tokens=need) as eng:
-            bench_native(eng, prompts(vocab, 2, prompt_len, seed=1), 4)  # warm-up: kernels for these shapes
-            return {b: bench_native(eng, prompts(vocab, b, prompt_len, seeds[b]), new) for b in batches}
-    from transformers import AutoModelForCausalLM
+    kv_tokens = max(max(batches) * (lens[1] + new), long + new) + 1024
+    fn, eng, close = load_variant(variant, model, kv_tokens)
+    try:
+        fn(eng, prompts(vocab, 1, 32, seed=1), 4)  # warm-up: kernels, allocator
+        return {c: fn(eng, case_prompts(c, vocab, lens, long, seed=1000 + i), new)
+                for i, c in enumerate(cases(batches, long))}
+    finally:
+        close()
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    bench_hf(hf, prompts(vocab, 2, prompt_len, seed=1), 4)
-    return {b: bench_hf(hf, prompts(vocab, b, prompt_len, seeds[b]), new) for b in batches}
+
+def available_variants(model: Optional[str], dtypes: List[str], vllm_python: Optional[str]) -> List[str]:
+    """The default variants: the engine in each dtype (and as shipped, for a GGUF), transformers in
+    each dtype, llama.cpp on a GGUF, vLLM in each dtype -- those whose package is installed."""
+    import importlib.util
+
+    out = [f"interlace {d}" for d in dtypes]
+    if gguf_of(model) is not None:
+        out.append("interlace as-shipped")
+    out += [f"transformers {d}" for d in dtypes]
+    if gguf_of(model) is not None and importlib.util.find_spec("llama_cpp") is not None:
+        out.append("llama.cpp as-shipped")
+    if vllm_python or importlib.util.find_spec("vllm") is not None:
+        out += [f"vllm {d}" for d in dtypes]
+    return out
+
+
+def run_worker(variant: str, args: argparse.Namespace) -> Dict[str, object]:
+    python = args.vllm_python if variant.startswith("vllm") and args.vllm_python else sys.executable
+    cmd = [python, "-m", "interlace.bench.engine", "--worker", variant, "--batches", *map(str, args.batches),
+           "--prompt-lens", *map(str, args.prompt_lens), "--long", str(args.long), "--new", str(args.new)]
+    if args.model:
+        cmd += ["--model", args.model]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if out.returncode != 0 or line is None:
+        print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"variant {variant!r} failed (exit {out.returncode})")
+    return json.loads(line[len("RESULT "):])
+
+
+def versions() -> Dict[str, str]:
+    import importlib.metadata
+
+    got = {}
+    for dist in ("torch", "transformers", "vllm", "vllm-cpu", "llama_cpp_python"):
+        try:
+            got[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return got
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="interlace bench engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-lens", type=int, nargs=2, default=[60, 200], metavar=("LO", "HI"),
+                    help="each row's prompt length is drawn from [LO, HI]")
+    ap.add_argument("--long", type=int, default=2048, help="a batch-1 case with this prompt length (0: none)")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3, help="rounds; each cell reports its best round")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--variants", nargs="+", help='e.g. "interlace float32" "interlace as-shipped" '
+                                                  '"transformers float32" "llama.cpp as-shipped" "vllm bfloat16" '
+                                                  "(default: every installed peer)")
+    ap.add_argument("--vllm-python", help="a Python with vLLM's CPU build, for the vllm variants")
     ap.add_argument("--plot", help="save a PNG plot of decode tokens/s here")
     ap.add_argument("--json", help="also write every round as JSON here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one variant, print JSON
     args = ap.parse_args(argv)
+    lens = tuple(args.prompt_lens)
 
     if args.worker:
-        res = measure(args.worker, args.model, args.batches, args.prompt_len, args.new)
-        print("RESULT " + json.dumps({"result": res, "machine": machine()}))
+        res = measure(args.worker, args.model, args.batches, lens, args.long, args.new)
+        print("RESULT " + json.dumps({"result": res, "machine": machine(), "versions": versions()}))
         return 0
 
-    variants = [f"interlace {d}" for d in args.dtypes] + ([] if args.no_hf else [f"transformers {d}"
-                                                                                  for d in args.dtypes])
-    rounds: Dict[str, List[Dict[int, dict]]] = {v: [] for v in variants}
+    variants = args.variants or available_variants(args.model, args.dtypes, args.vllm_python)
+    keys = cases(args.batches, args.long)
+    rounds: Dict[str, List[Dict[str, Optional[dict]]]] = {v: [] for v in variants}
     mach: Dict[str, object] = {}
+    vers: Dict[str, str] = {}
     for r in range(args.repeat):
         for v in (variants if r % 2 == 0 else variants[::-1]):
-            cmd = [sys.executable, "-m", "interlace.bench.engine", "--worker", v, "--batches",
-                   *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--new", str(args.new)]
-            if args.model:
-                cmd += ["--model", args.model]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if out.returncode != 0 or line is None:
-                print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
-                raise SystemExit(f"variant {v!r} failed (exit {out.returncode})")
-            got = json.loads(line[len("RESULT "):])
-            mach = got["machine"]
-            rounds[v].append({int(b): x for b, x in got["result"].items()})
+            got = run_worker(v, args)
+            mach = got["machine"] if v.startswith("interlace") or not mach else mach
+            vers.update(got.get("versions") or {})
+            rounds[v].append(got["result"])
             print(f"round {r + 1}/{args.repeat} {v}: " + ", ".join(
-                f"b={b} decode {x['decode']:.0f} tok/s" for b, x in rounds[v][-1].items()), file=sys.stderr)
-    rows = {v: {b: {k: max(rd[b][k] for rd in rounds[v]) for k in ("prefill", "decode")} for b in args.batches}
-            for v in variants}
+                f"{c} decode {x['decode']:.0f} tok/s" for c, x in rounds[v][-1].items() if x), file=sys.stderr)
+    rows = {v: {c: ({k: max(rd[c][k] for rd in rounds[v]) for k in ("prefill", "decode")}
+                    if all(rd.get(c) for rd in rounds[v]) else None) for c in keys} for v in variants}
 
-    name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (embedded)"
-    print(f"\n{name} | prompt {args.prompt_len} tokens, {args.new} new | best of {args.repeat}\n"
-          f"machine: {describe_machine(mach)}\n")
-    print("| engine | " + " | ".join(f"prefill b={b} | decode b={b}" for b in args.batches) + " |")
-    print("|" + "---|" * (1 + 2 * len(args.batches)))
-    for v, r in rows.items():
-        print(f"| {v} | " + " | ".join(f"{r[b]['prefill']:.0f} | {r[b]['decode']:.0f}" for b in args.batches) + " |")
-    hf = {v: r for v, r in rows.items() if v.startswith("transformers")}
-    if hf:
-        best_hf = {b: max(r[b]["decode"] for r in hf.values()) for b in args.batches}
-        print("\ndecode speed-up (tokens/s ratio) over transformers in the same dtype, and over the faster "
-              "transformers dtype:")
-        for v, r in rows.items():
-            if v.startswith("interlace"):
-                same = hf.get("transformers " + v.split()[1])
-                print(f"  {v}: " + ", ".join(
-                    f"b={b}: {r[b]['decode'] / same[b]['decode']:.2f}x / {r[b]['decode'] / best_hf[b]:.2f}x"
-                    if same else f"b={b}: {r[b]['decode'] / best_hf[b]:.2f}x" for b in args.batches))
+    name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (embedded, GGUF Q4_1)"
+    label = {c: (f"b={c}" if c != LONG else f"b=1, {args.long}-token prompt") for c in keys}
+    print(f"\n{name} | prompts {lens[0]}-{lens[1]} tokens, {args.new} new | best of "
+          f"{args.repeat}\nmachine: {describe_machine(mach)}\nversions: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(vers.items())) + "\n")
+    print("decode tokens/s (prefill tokens/s)\n")
+    print("| variant | " + " | ".join(label[c] for c in keys) + " |")
+    print("|" + "---|" * (1 + len(keys)))
+    for v, row in rows.items():
+        print(f"| {v} | " + " | ".join(f"{row[c]['decode']:.1f} ({row[c]['prefill']:.0f})" if row[c] else "-"
+                                       for c in keys) + " |")
+    print_ratios(rows, keys, label)
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": mach, "rounds": rounds, "best": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": mach, "versions": vers, "rounds": rounds, "best": rows},
+                                              indent=1))
     if args.plot:
-        plot(rows, args.batches, f"{name}: decode, best of {args.repeat}", args.plot)
+        plot({v: {c: row[c] for c in keys if c != LONG} for v, row in rows.items()},
+             [int(c) for c in keys if c != LONG], f"{name}: decode, best of {args.repeat}", args.plot)
         print(f"plot saved to {args.plot}")
     return 0
 
 
-def plot(rows: Dict[str, Dict[int, dict]], batches: List[int], title: str, path: str) -> None:
+def print_ratios(rows: Dict[str, Dict[str, Optional[dict]]], keys: List[str], label: Dict[str, str]) -> None:
+    """The engine's best variant against each peer's best, per case (decode tokens/s ratios)."""
+    def best(prefix: str, c: str) -> Optional[tuple]:
+        got = [(row[c]["decode"], v) for v, row in rows.items() if v.startswith(prefix) and row.get(c)]
+        return max(got) if got else None
+
+    print("\ndecode speed, the engine's best variant over each peer's best (same run):")
+    for c in keys:
+        ours = best("interlace", c)
+        if ours is None:
+            continue
+        parts = []
+        for peer in ("transformers", "vllm", "llama.cpp"):
+            theirs = best(peer, c)
+            if theirs:
+                parts.append(f"{ours[0] / theirs[0]:.2f}x {theirs[1]}")
+        print(f"  {label[c]}: {ours[1]} " + ("; ".join(parts) if parts else "(no peer)"))
+
+
+def plot(rows: Dict[str, Dict[str, Optional[dict]]], batches: List[int], title: str, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -202,7 +363,10 @@ def plot(rows: Dict[str, Dict[int, dict]], batches: List[int], title: str, path:
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for v, r in rows.items():
-        ax.plot(batches, [r[b]["decode"] for b in batches], marker="o",
+        pts = [(b, r[str(b)]["decode"]) for b in batches if r.get(str(b))]
+        if not pts:
+            continue
+        ax.plot([b for b, _ in pts], [d for _, d in pts], marker="o",
                 linestyle="-" if v.startswith("interlace") else "--", label=v)
     ax.set_xlabel("batch size")
     ax.set_ylabel("decode tokens/s")

@@ -43,14 +43,17 @@ def test_cpu_description_without_flags_says_so():
 def test_bench_engine_smoke(tmp_path, capsys):
     out = tmp_path / "r.json"
     png = tmp_path / "p.png"
-    assert bench_engine.main(["--dtypes", "float32", "--batches", "1", "2", "--prompt-len", "8", "--new", "4",
-                              "--repeat", "1", "--json", str(out), "--plot", str(png)]) == 0
+    assert bench_engine.main(["--variants", "interlace float32", "transformers float32", "--batches", "1", "2",
+                              "--prompt-lens", "6", "12", "--long", "40", "--new", "4", "--repeat", "1",
+                              "--json", str(out), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "| interlace float32 |" in text and "| transformers float32 |" in text
     res = json.loads(out.read_text())
     for variant in ("interlace float32", "transformers float32"):
         cells = res["best"][variant]
-        assert set(cells) == {"1", "2"} and all(c["decode"] > 0 and c["prefill"] > 0 for c in cells.values())
+        assert set(cells) == {"1", "2", "long"} and all(c["decode"] > 0 and c["prefill"] > 0 for c in cells.values())
+    assert "| b=1 | b=2 | b=1, 40-token prompt |" in text
+    assert "interlace float32 " in text.split("over each peer's best")[1]  # the ratio lines
     # the machine is recorded with its ISA flags, and printed with the table
     mach = res["machine"]
     assert mach["cpu"]["model_name"] and (mach["cpu"]["isa"] or mach["cpu"]["isa_absent"])
