@@ -206,11 +206,14 @@ def load_variant(variant: str, model: Optional[str], kv_tokens: int):
 
 
 def engine_weights(what: str) -> Dict[str, str]:
-    """``interlace X``: X is a dtype (float32, bfloat16: dense weights in it) or a weights setting
-    (as-shipped, int8: quantized weights, float32 activations)."""
+    """``interlace X[/ATTENTION]``: X is a dtype (float32, bfloat16: dense weights in it) or a weights
+    setting (as-shipped, int8: quantized weights); decode attention as served (``auto``: the compiled
+    kernel where it builds) unless ``/torch`` asks for the reference gather."""
+    what, _, attention = what.partition("/")
+    out = {"attention": attention or "auto"}
     if what in ("float32", "bfloat16", "float16"):
-        return {"dtype": what}
-    return {"weights": what}
+        return {**out, "dtype": what}
+    return {**out, "weights": what}
 
 
 def measure(variant: str, model: Optional[str], batches: List[int], lens: tuple, long: int,

@@ -281,8 +281,8 @@ def load_engine(spec: ModelSpec) -> Any:
 
 
 #: The settings of a native engine object that are :meth:`NativeEngine.load` keyword arguments.
-NATIVE_LOAD_KEYS = ("dtype", "device", "block_size", "kv_cache_tokens", "max_batched_tokens", "max_seqs",
-                    "max_model_len")
+NATIVE_LOAD_KEYS = ("dtype", "weights", "device", "block_size", "kv_cache_tokens", "max_batched_tokens", "max_seqs",
+                    "max_model_len", "attention")
 
 
 def load_replica(spec: ModelSpec, r: Dict[str, Any], where: str = "", label: str = "worker") -> Any:

@@ -24,7 +24,11 @@ def _load_engine(args: argparse.Namespace):
     from interlace.engine_ext.native.setup import build_native_engine
 
     try:  # a model directory, a .gguf file, or zoo/NAME (a block-zoo variant: its base's blocks and its own)
-        return build_native_engine(args.model or embedded_model_dir(), {"dtype": args.dtype, "device": args.device})
+        engine_args = {"dtype": args.dtype, "device": args.device}
+        if getattr(args, "weights", None):
+            engine_args["weights"] = args.weights
+        return build_native_engine(args.model or ("embedded" if engine_args.get("weights") else embedded_model_dir()),
+                                   engine_args)
     except (OSError, ValueError, EngineError) as e:  # missing path, unsupported model, bad dtype/device
         raise UserError(f"cannot load the model {args.model or '(embedded)'}: {e}") from e
 
@@ -237,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 where the CPU/GPU computes it natively, else float32")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--weights", choices=["as-shipped", "float32", "bfloat16", "int8"],
+                   help="how the weight matmuls are stored (default: dense in --dtype): as-shipped = the .gguf's "
+                        "quantized tensors (the embedded model: Q4_1), int8 = per-channel int8; "
+                        "see docs/quantization.md")
     g.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI-compatible gateway")

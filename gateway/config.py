@@ -55,12 +55,18 @@ POLICY_PROPERTIES = {
 #: The native engine's own settings: at the model level, or in a native engine object (overriding them).
 NATIVE_PROPERTIES = {
     "dtype": {"enum": ["auto", "float32", "bfloat16", "float16"]},
+    "weights": {"enum": ["as-shipped", "float32", "bfloat16", "int8"],
+                "description": "how the weight matmuls are stored (default: dense in dtype): as-shipped = a "
+                               ".gguf's quantized tensors, int8 = per-channel int8 (docs/quantization.md)"},
     "device": {"type": "string"},
     "block_size": {"type": "integer", "minimum": 1, "maximum": 256},
     "kv_cache_tokens": {"type": "integer", "minimum": 16},
     "max_batched_tokens": {"type": "integer", "minimum": 1},
     "max_seqs": {"type": "integer", "minimum": 1},
     "max_model_len": {"type": "integer", "minimum": 16},
+    "attention": {"enum": ["auto", "kernel", "torch"],
+                  "description": "decode attention: kernel = compiled, reads the paged cache in place; torch = "
+                                 "gathers it (the reference numerics); auto = the kernel where it builds (CPU)"},
 }
 
 ENGINE_KINDS = ("native", "vllm", "openai")
@@ -238,7 +244,7 @@ DEFAULTS = {
     "tools": {},
 }
 MODEL_DEFAULTS = {"engine": "native", "parser": "hermes", "dtype": "auto", "block_size": 16,
-                  "kv_cache_tokens": 16384, "max_batched_tokens": 512, "max_seqs": 256}
+                  "kv_cache_tokens": 16384, "max_batched_tokens": 512, "max_seqs": 256, "attention": "auto"}
 #: The papers' defaults (InferCept's min-waste handling, LAMPS' ranking with its threshold of 100).
 POLICY_DEFAULTS = {"interception": "infercept", "ranking": "lamps", "starvation_threshold": 100,
                    "refresh_interval": 1, "profile": "auto", "prefix_caching": True}

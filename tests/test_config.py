@@ -138,7 +138,7 @@ def test_engine_objects_and_replicas():
     }}, "f.yaml")
     plain, two, mixed = (cfg.models[n] for n in ("plain", "two", "mixed"))
     native = {"kind": "native", "worker": "thread", "dtype": "auto", "block_size": 16, "kv_cache_tokens": 16384,
-              "max_batched_tokens": 512, "max_seqs": 256}
+              "max_batched_tokens": 512, "max_seqs": 256, "attention": "auto"}
     assert plain.engine == "native" and plain.replicas == [native]  # as before: one native in-process engine
     assert plain.engine_args["kv_cache_tokens"] == 16384
     assert two.replicas == [{**native, "worker": "process", "kv_cache_tokens": 4096, "max_seqs": 8}] * 2

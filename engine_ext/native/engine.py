@@ -84,6 +84,35 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+WEIGHTS = ("as-shipped", "float32", "bfloat16", "int8")
+
+
+def resolve_weights(weights: Optional[str], dtype: Optional[str], device: torch.device) -> torch.dtype:
+    """Check the ``weights`` setting against ``dtype`` and return the compute dtype.
+
+    ``dtype`` is the compute dtype: activations, KV cache, norms, the
+    embedding, and dense weights.  ``weights`` is how the weight matmuls are
+    stored: unset, dense in ``dtype`` (the default); ``float32`` /
+    ``bfloat16``, dense in that dtype, which is then the compute dtype too
+    (``dtype`` unset or ``auto``; another ``dtype`` is a contradiction, an
+    error); ``int8`` / ``as-shipped``, quantized (:mod:`.quant`), with compute
+    in ``dtype`` (default float32; ``auto`` as :func:`resolve_dtype`), on
+    the CPU only."""
+    if weights is None:
+        return resolve_dtype(dtype or "float32", device)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
+    if weights in ("float32", "bfloat16"):
+        if dtype not in (None, "auto") and DTYPES.get(dtype) is not DTYPES[weights]:
+            raise ValueError(f"weights: {weights} with dtype: {dtype}: dense weights compute in their own dtype; "
+                             f"drop one of the two settings")
+        return DTYPES[weights]
+    if device.type != "cpu":
+        raise ValueError(f"weights: {weights} runs on the CPU only (aten's and fbgemm's CPU kernels), "
+                         f"not on {device.type}")
+    return resolve_dtype(dtype or "float32", device)
+
+
 def _in_passing_thread(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on a short-lived thread and return its result.
 
@@ -121,6 +150,20 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+def _attention_kernel(attention: str, device: torch.device) -> Optional[Any]:
+    """The decode-attention kernel ``attention`` asks for (see :class:`NativeEngine`), or None."""
+    if attention not in ("torch", "kernel", "auto"):
+        raise ValueError(f"attention must be 'torch', 'kernel' or 'auto', not {attention!r}")
+    if attention == "torch" or device.type != "cpu":
+        return None
+    from . import cpu_attention
+
+    kernel = cpu_attention.load()
+    if kernel is None and attention == "kernel":
+        raise ValueError("attention: kernel: the CPU paged-attention kernel cannot be built here (see the log)")
+    return kernel
+
+
 class NativeEngine:
     """Implements :class:`interlace.engine_ext.protocol.Engine`.
 
@@ -134,7 +177,8 @@ class NativeEngine:
                  kv_dtype: Optional[torch.dtype] = None, interception: Optional[InterceptionPolicy] = None,
                  ranking: Optional[RankingPolicy] = None, eos_token_ids: Sequence[int] = (),
                  name: str = "model", profile: Optional[Profile] = None, host_pool_tokens: Optional[int] = None,
-                 prefix_caching: bool = True, variants: Optional["VariantSet"] = None):
+                 prefix_caching: bool = True, variants: Optional["VariantSet"] = None,
+                 attention: str = "torch"):
         """``profile`` is the cost model for the swap budget and recomputation
         chunks (else the interception policy's own, else none: swaps move the
         whole context at once and recomputation is not chunked).
@@ -142,7 +186,12 @@ class NativeEngine:
         KV cache; 0: no swapping, swaps fall back to discard).
         ``prefix_caching=False``: no automatic prefix caching.
         ``variants``: fine-tuned variants of ``model`` served in the same
-        batches (:mod:`.block_sharing`); a fill creating a context names one."""
+        batches (:mod:`.block_sharing`); a fill creating a context names one.
+        ``attention``: how decode attention reads the KV cache: ``torch``
+        (the default: gathers the blocks; the reference numerics), ``kernel``
+        (the compiled CPU kernel reading them in place, :mod:`.cpu_attention`;
+        an error where it cannot be built) or ``auto`` (the kernel on a CPU
+        where it builds, else torch)."""
         if host_pool_tokens is not None and (not isinstance(host_pool_tokens, int) or host_pool_tokens < 0):
             raise ValueError(f"host_pool_tokens must be a non-negative integer, got {host_pool_tokens!r}")
         self.model = model
@@ -166,7 +215,7 @@ class NativeEngine:
             raise ValueError("variants must be built over this engine's model")
         self.variants = variants
         runner_args = (model, num_blocks, block_size, kv_dtype or next(model.parameters()).dtype, self.device,
-                       variants)
+                       variants, _attention_kernel(attention, self.device))
         self.interception = interception or Preserve()
         self.profile = profile
         self._configure_policies()
@@ -190,18 +239,36 @@ class NativeEngine:
         started.result()  # the KV cache allocation's error (out of memory), if any
 
     @classmethod
-    def load(cls, model_path: str | Path, *, dtype: str = "float32", device: Optional[str] = None,
-             **kw: Any) -> "NativeEngine":
+    def load(cls, model_path: str | Path, *, dtype: Optional[str] = None, device: Optional[str] = None,
+             weights: Optional[str] = None, **kw: Any) -> "NativeEngine":
         """``dtype`` float32 (the default: the reference numerics, token for
         token equal to transformers), bfloat16, float16, or ``auto``: see
-        :func:`resolve_dtype`."""
+        :func:`resolve_dtype`.  ``weights``: how the weight matmuls are
+        stored (default: dense in ``dtype``): ``float32``, ``bfloat16``,
+        ``int8`` (per output channel, from the float weights) or
+        ``as-shipped`` (a GGUF's quantized tensors): see
+        :func:`resolve_weights` and docs/quantization.md."""
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        torch_dtype = resolve_dtype(dtype, dev)
+        torch_dtype = resolve_weights(weights, dtype, dev)
 
         def build():
+            if weights == "as-shipped":
+                from .quant import gguf_file, gguf_key, gguf_meta_dir, model_from_gguf
+
+                gguf = gguf_file(model_path)
+                meta = gguf_meta_dir(gguf)
+                raw, _ = load_config(meta)
+                model = model_from_gguf(gguf, raw, torch_dtype, dev)
+                tok = Tokenizer(meta, raw) if (meta / "tokenizer.json").exists() else None
+                return model, tok, f"{gguf.stem}-{gguf_key(gguf)}"  # the name of its converted directory
             model_dir = resolve_model_dir(model_path)
             raw, _ = load_config(model_dir)
-            model = load_model(model_dir, torch_dtype, dev)
+            if weights == "int8":
+                from .quant import quantize_int8
+
+                model = quantize_int8(load_model(model_dir, torch.float32, dev), torch_dtype)
+            else:
+                model = load_model(model_dir, torch_dtype, dev)
             tok = Tokenizer(model_dir, raw) if (Path(model_dir) / "tokenizer.json").exists() else None
             return model, tok, Path(model_dir).name
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -14,8 +14,14 @@ from .scheduler import Batch
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device, variants: Optional[VariantSet] = None):
+                 kv_dtype: torch.dtype, device: torch.device, variants: Optional[VariantSet] = None,
+                 attention_kernel: Optional[Any] = None):
+        """``attention_kernel``: a :class:`~.cpu_attention.PagedDecodeKernel` for decode attention
+        (reads the blocks in place), or None for the torch path (the gather; the reference numerics)."""
         cfg = model.cfg
+        supported = attention_kernel is not None and attention_kernel.supports(
+            kv_dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim) and device.type == "cpu"
+        self.attention_kernel = attention_kernel if supported else None
         self.model = model
         self.variants = variants  # several fine-tuned variants in one batch (BlockLLM), or None
         self.block_size = block_size
@@ -75,7 +81,19 @@ class ModelRunner:
         if self.variants is not None and len(self.variants) > 1:
             meta.variants = self.variants.batch([batch.chunks[ci].ctx.variant for ci in order
                                                  for _ in range(batch.chunks[ci].num)])
-        if decode_rows:
+        if decode_rows and self.attention_kernel is not None:
+            tables: List[int] = []
+            starts: List[int] = []
+            for ch in decode_chunks:
+                starts.append(len(tables))
+                tables += ch.ctx.table.blocks[:-(-(ch.start + 1) // bs)]
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+            meta.decode_kernel = self.attention_kernel
+            meta.decode_tables = torch.tensor(tables, dtype=torch.long)
+            meta.decode_starts = torch.tensor(starts, dtype=torch.long)
+            meta.decode_lens = torch.tensor([ch.start + 1 for ch in decode_chunks], dtype=torch.long)
+            meta.window = self.window or 0
+        elif decode_rows:
             lens = [ch.start + 1 for ch in decode_chunks]
             nb = -(-max(lens) // bs)
             bt = torch.zeros(len(lens), nb, dtype=torch.long, device=dev)

@@ -115,27 +115,38 @@ def _load(path: str | os.PathLike, engine_args: Mapping[str, Any]) -> "NativeEng
     if variants is not None or str(path).startswith(ZOO_PREFIX):
         names = list(variants) if variants else [str(path)[len(ZOO_PREFIX):]]
         return load_zoo_engine(names, zoo, **args)
+    if args.get("weights") == "as-shipped":  # the GGUF file itself, not its dequantized directory
+        if str(path) == "embedded":
+            from ..embedded import embedded_gguf
+
+            path = embedded_gguf()
+        return NativeEngine.load(path, **args)
     return NativeEngine.load(model_dir(path), **args)
 
 
-def load_zoo_engine(names: Sequence[str], zoo: Optional[str] = None, *, dtype: str = "float32",
-                    device: Optional[str] = None, **kw: Any) -> "NativeEngine":
+def load_zoo_engine(names: Sequence[str], zoo: Optional[str] = None, *, dtype: Optional[str] = None,
+                    device: Optional[str] = None, weights: Optional[str] = None, **kw: Any) -> "NativeEngine":
     """One native engine serving the zoo variants ``names`` (all of one
     base) in shared batches: the base's weights once, each variant's unique
     blocks and adapters beside them (:mod:`.block_sharing`).  The engine's
-    name is the base's; a fill names its variant."""
+    name is the base's; a fill names its variant.  Block sharing swaps dense
+    weights per variant: ``weights`` may be float32 or bfloat16, not a
+    quantized format."""
     import torch
 
     from ..zoo import Zoo
     from .block_sharing import VariantSet
-    from .engine import NativeEngine, _in_passing_thread, resolve_dtype
+    from .engine import NativeEngine, _in_passing_thread, resolve_weights
     from .loader import model_from_tensors
     from .tokenizer import Tokenizer
 
     if not names:
         raise ValueError("a zoo engine needs at least one variant")
+    if weights in ("int8", "as-shipped"):
+        raise ValueError(f"weights: {weights} is not supported for zoo variants (block sharing swaps dense "
+                         f"weights per variant); use weights: float32 or bfloat16")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = resolve_dtype(dtype, dev)
+    torch_dtype = resolve_weights(weights, dtype, dev)
 
     def build():
         z = Zoo(zoo)
@@ -180,7 +191,11 @@ def engine_profile(engine: Any, name: str, host_pool_tokens: int = 0) -> Any:
     from .profiler import METHOD, measure_profile
 
     # METHOD changes when the measurement does: a profile cached by an older method is measured again
-    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{engine.name}-{dtype}-{device}-bs{engine.block_size}-m{METHOD}")
+    # quantized weights (``weights: int8 / as-shipped``) run at their own speed: their own profile
+    weights = getattr(engine.model, "weights_format", None)
+    wtag = f"-w{weights}" if weights else ""
+    key = re.sub(r"[^A-Za-z0-9_.-]+", "_",
+                 f"{engine.name}-{dtype}{wtag}-{device}-bs{engine.block_size}-m{METHOD}")
     path = cache_root() / "profiles" / f"{key}.json"
     profile = None
     if path.is_file():

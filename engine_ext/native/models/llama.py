@@ -112,6 +112,12 @@ class AttentionMetadata:
     decode_rows: Optional[torch.Tensor] = None    # [B] long: rows of the flat batch
     decode_blocks: Optional[torch.Tensor] = None  # [B, nb] long: block tables, padded
     decode_masked: Optional[torch.Tensor] = None  # [1, B, 1, nb * block_size] bool: key not attended
+    # the compiled kernel reading the blocks in place (``native/cpu_attention.py``) instead of the padded gather:
+    decode_kernel: Optional[Any] = None           # a cpu_attention.PagedDecodeKernel, or None: the torch path
+    decode_tables: Optional[torch.Tensor] = None  # every decoding context's blocks, concatenated (long)
+    decode_starts: Optional[torch.Tensor] = None  # [B] long: where context b's blocks start in decode_tables
+    decode_lens: Optional[torch.Tensor] = None    # [B] long: keys per context (its length)
+    window: int = 0                               # sliding window (0: none), for the kernel
     # rows of several model variants (BlockLLM, ``native/block_sharing.py``): which weights each row uses
     variants: Optional[Any] = None                # a block_sharing.VariantBatch, or None: the base model only
 
@@ -210,7 +216,11 @@ class Attention(nn.Module):
             else:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
             out[p.row_start:p.row_start + p.num_new] = o.transpose(0, 1)
-        if meta.decode_rows is not None:
+        if meta.decode_kernel is not None:
+            out[meta.decode_rows] = meta.decode_kernel(
+                q[meta.decode_rows].float(), k_blocks, v_blocks, meta.decode_tables, meta.decode_starts,
+                meta.decode_lens, self.scale, meta.window).to(q.dtype)
+        elif meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode_attention(q[meta.decode_rows], k_blocks, v_blocks, meta)
         return _linear(self.o, out.reshape(T, self.h * self.d), meta)
 
