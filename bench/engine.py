@@ -179,7 +179,9 @@ def load_variant(variant: str, model: Optional[str], kv_tokens: int):
     if kind == "interlace":
         from interlace.engine_ext.native.engine import NativeEngine
 
-        eng = NativeEngine.load(model or model_dir, **engine_weights(what), kv_cache_tokens=kv_tokens)
+        settings = engine_weights(what)
+        path = gguf_of(model) if settings.get("weights") == "as-shipped" else (model or model_dir)
+        eng = NativeEngine.load(path, **settings, kv_cache_tokens=kv_tokens)
         return bench_native, eng, eng.close
     if kind == "transformers":
         from transformers import AutoModelForCausalLM

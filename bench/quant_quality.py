@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import subprocess
 import sys
 import time
@@ -170,44 +169,18 @@ def quality(model: Optional[str], variants: List[str], new: int) -> Dict[str, di
 
 
 # ============================================================ speed
-def random_prompts(vocab: int, n: int, length: int, seed: int) -> List[List[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, vocab - 100) for _ in range(length)] for _ in range(n)]
-
-
-def decode_speed(eng, batch: List[List[int]], new: int) -> Dict[str, float]:
-    from interlace.engine_ext.protocol import SamplingParams
-
-    sp = SamplingParams(max_tokens=new, ignore_eos=True)
-
-    async def go():
-        t0 = time.perf_counter()
-        await asyncio.gather(*(eng.fill(f"b{i}", p) for i, p in enumerate(batch)))
-        t1 = time.perf_counter()
-
-        async def drain(i):
-            return sum([1 async for _ in eng.generate(f"b{i}", sp)])
-        counts = await asyncio.gather(*(drain(i) for i in range(len(batch))))
-        t2 = time.perf_counter()
-        for i in range(len(batch)):
-            await eng.free_context(f"b{i}")
-        assert all(c == new for c in counts), counts
-        return t1 - t0, t2 - t1
-
-    tp, td = asyncio.run(go())
-    return {"prefill": len(batch) * len(batch[0]) / tp, "decode": len(batch) * (new - 1) / td}
-
-
 def speed_worker(variant: str, model: Optional[str], batches: List[int], prompt_len: int, new: int) -> dict:
     from interlace.engine_ext.native.quant import weight_bytes
+
+    from .engine import bench_native, prompts  # the engine benchmark's own measurement
 
     t0 = time.perf_counter()
     with load(variant, model, kv_cache_tokens=max(batches) * (prompt_len + new) + 512) as eng:
         load_s = time.perf_counter() - t0
         wbytes = weight_bytes(eng.model)
         vocab = eng.vocab_size
-        decode_speed(eng, random_prompts(vocab, 2, prompt_len, 1), 4)  # warm-up
-        res = {b: decode_speed(eng, random_prompts(vocab, b, prompt_len, 1000 * b + 7), new) for b in batches}
+        bench_native(eng, prompts(vocab, 2, prompt_len, 1), 4)  # warm-up
+        res = {b: bench_native(eng, prompts(vocab, b, prompt_len, 1000 * b + 7), new) for b in batches}
     return {"result": res, "load_s": load_s, "weights_mb": wbytes / 2 ** 20}
 
 

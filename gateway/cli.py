@@ -73,7 +73,8 @@ def _config(args: argparse.Namespace):
     try:
         if args.config:
             return load_config(args.config)
-        return parse_config({"models": {"smollm2": {"path": "embedded"}}}, "<built-in default>")
+        return parse_config({"models": {"smollm2": {"path": "embedded", "weights": "as-shipped"}}},
+                            "<built-in default>")
     except ConfigError as e:
         raise UserError(str(e)) from e
 
