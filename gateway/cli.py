@@ -110,9 +110,16 @@ def check_serve_config(cfg) -> None:
         if spec.path != "embedded" and not spec.path.startswith("zoo/") and not Path(spec.path).exists():
             raise UserError(f"{cfg.source}: models.{spec.name}.path: {spec.path!r} does not exist")
         for i, r in enumerate(spec.replicas or []):
+            where = f"{cfg.source}: models.{spec.name}." + (f"replicas[{i}]" if len(spec.replicas) > 1 else "engine")
+            if r.get("kind") == "native" and r.get("weights") == "as-shipped" and spec.path != "embedded":
+                from interlace.engine_ext.native.quant import QuantError, gguf_file
+
+                try:  # a GGUF to run as shipped: checked now, not as a start-up traceback
+                    gguf_file(spec.path)
+                except (QuantError, OSError) as e:
+                    raise UserError(f"{where}.weights: {e}") from e
             if r.get("kind") != "vllm":
                 continue
-            where = f"{cfg.source}: models.{spec.name}." + (f"replicas[{i}]" if len(spec.replicas) > 1 else "engine")
             try:  # vLLM's own argument and model checks, without starting it
                 from interlace.engine_ext.vllm.engine import engine_args, engine_config
             except ImportError as e:

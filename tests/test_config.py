@@ -96,6 +96,7 @@ def test_generate_with_missing_model_is_one_error_line():
 @pytest.mark.parametrize("command,text,needle", [
     ("serve", "models:\n  m: {path: /nonexistent/model}\n", "models.m.path: '/nonexistent/model' does not exist"),
     ("serve", "models:\n  m: {path: embedded, parser: nope}\n", "models.m.parser: unknown parser 'nope'"),
+    ("serve", "models:\n  m: {path: tests, weights: as-shipped}\n", "models.m.engine.weights: weights: as-shipped runs"),
     ("serve", "models:\n  m: {path: embedded}\nplugins: {modules: [no_such_plugin_mod]}\n",
      "cannot import a plugin module: No module named 'no_such_plugin_mod'"),
     ("plugins", "models:\n  m: {path: embedded}\nplugins: {modules: [no_such_plugin_mod]}\n",
