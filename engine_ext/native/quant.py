@@ -59,7 +59,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -356,23 +356,15 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zeros", sz.transpose(0, 1).contiguous())     # [groups, N, 2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        a = x.reshape(-1, self.in_features)
-        if a.dtype != torch.float32:
-            a = a.float()
-        if a.shape[0] == 0:
-            y = a.new_zeros(0, self.out_features)
-        elif self.kernel == "fp16":
-            y = torch.ops.quantized.linear_dynamic_fp16(a.contiguous(), self._fp16)
-        else:
-            if self.doubled:
-                a = torch.cat([a, a], dim=1)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(a.contiguous(), self.packed, GROUP, self.scale_zeros)
-            if self._rows != self.out_features:
-                y = y[:, :self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return _apply_rows(self, x, self._matmul)
+
+    def _matmul(self, a: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "fp16":
+            return torch.ops.quantized.linear_dynamic_fp16(a, self._fp16)
+        if self.doubled:
+            a = torch.cat([a, a], dim=1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(a.contiguous(), self.packed, GROUP, self.scale_zeros)
+        return y[:, :self.out_features] if self._rows != self.out_features else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
@@ -396,17 +388,18 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        a = x.reshape(-1, self.in_features)
-        if a.dtype != torch.float32:
-            a = a.float()
-        if a.shape[0] == 0:
-            y = a.new_zeros(0, self.out_features)
-        else:
-            y = torch._weight_int8pack_mm(a.contiguous(), self.qweight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return _apply_rows(self, x, lambda a: torch._weight_int8pack_mm(a, self.qweight, self.scales))
+
+
+def _apply_rows(mod: nn.Module, x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``matmul`` (float32 rows in, [rows, out_features] out) over ``x``'s rows, plus the bias,
+    in ``x``'s dtype and shape: what every quantized linear does around its kernel."""
+    shape = x.shape
+    a = x.reshape(-1, mod.in_features).float().contiguous()
+    y = matmul(a) if a.shape[0] else a.new_zeros(0, mod.out_features)
+    if mod.bias is not None:
+        y = y + mod.bias
+    return y.to(x.dtype).reshape(*shape[:-1], mod.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, per-channel int8"
