@@ -97,36 +97,43 @@ def load(variant: str, model: Optional[str], **kw):
 
 
 # ============================================================ quality
-async def greedy(eng, prompts: List[List[int]], new: int):
-    """Per prompt: the logits after the prompt and ``new`` greedy tokens."""
+async def greedy(eng, prompts: List[List[int]], new: int, batch: int = 0):
+    """Per prompt: the logits after the prompt and ``new`` greedy tokens; at most ``batch``
+    prompts at a time (0: all), so decode steps run that many rows."""
     from interlace.engine_ext.protocol import SamplingParams
 
     sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    gate = asyncio.Semaphore(batch or len(prompts))
 
     async def one(i: int, ids: List[int]):
-        c = f"g{i}"
-        await eng.fill(c, ids)
-        first = await eng.last_logits(c)
-        toks = [ev.token_id async for ev in eng.generate(c, sp) if ev.token_id is not None]
-        await eng.free_context(c)
-        return first, toks
+        async with gate:
+            c = f"g{i}"
+            await eng.fill(c, ids)
+            first = await eng.last_logits(c)
+            toks = [ev.token_id async for ev in eng.generate(c, sp) if ev.token_id is not None]
+            await eng.free_context(c)
+            return first, toks
 
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
-async def teacher_forced(eng, prompts: List[List[int]], conts: List[List[int]]):
-    """Per prompt: the logits at each position of the continuation ``conts[i]`` read token by token."""
+async def teacher_forced(eng, prompts: List[List[int]], conts: List[List[int]], batch: int = 0):
+    """Per prompt: the logits at each position of the continuation ``conts[i]`` read token by token
+    (at most ``batch`` prompts at a time, 0: all)."""
     import torch
 
+    gate = asyncio.Semaphore(batch or len(prompts))
+
     async def one(i: int, ids: List[int], cont: List[int]):
-        c = f"t{i}"
-        await eng.fill(c, ids)
-        out = [await eng.last_logits(c)]
-        for t in cont[:-1]:
-            await eng.fill(c, [t])
-            out.append(await eng.last_logits(c))
-        await eng.free_context(c)
-        return torch.stack(out)
+        async with gate:
+            c = f"t{i}"
+            await eng.fill(c, ids)
+            out = [await eng.last_logits(c)]
+            for t in cont[:-1]:
+                await eng.fill(c, [t])
+                out.append(await eng.last_logits(c))
+            await eng.free_context(c)
+            return torch.stack(out)
 
     return await asyncio.gather(*(one(i, p, c) for i, (p, c) in enumerate(zip(prompts, conts))))
 
@@ -135,7 +142,7 @@ def rel_rms(d, ref) -> float:
     return float(d.float().pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt())
 
 
-def quality(model: Optional[str], variants: List[str], new: int) -> Dict[str, dict]:
+def quality(model: Optional[str], variants: List[str], new: int, batch: int = 0) -> Dict[str, dict]:
     import torch
 
     with load("float32", model) as ref_eng:
@@ -149,8 +156,8 @@ def quality(model: Optional[str], variants: List[str], new: int) -> Dict[str, di
         t0 = time.perf_counter()
         with load(v, model) as eng:
             load_s = time.perf_counter() - t0
-            got_g = asyncio.run(greedy(eng, prompts, new))
-            got_tf = asyncio.run(teacher_forced(eng, prompts, conts))
+            got_g = asyncio.run(greedy(eng, prompts, new, batch))
+            got_tf = asyncio.run(teacher_forced(eng, prompts, conts, batch))
         prefix, full = [], 0
         for (_, a), b in zip(got_g, conts):
             n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -324,6 +331,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a .gguf file (default: the embedded SmolLM2-135M-Instruct, Q4_1)")
     ap.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
+    ap.add_argument("--quality-batch", type=int, default=0, metavar="N",
+                    help="quality: at most N prompts at a time, so the decode steps run N rows (default: all "
+                         "20 at once; 1 measures batch-1 decode, where `auto` takes the gguf kernel)")
     ap.add_argument("--variants", nargs="+", default=["as-shipped", "int8"], choices=list(VARIANTS))
     ap.add_argument("--speed-variants", nargs="+", default=["float32", "as-shipped", "int8"],
                     choices=list(VARIANTS))
@@ -336,7 +346,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--q8-check", action="store_true", help="also measure the Q8_0 options")
     ap.add_argument("--kernel-check", type=int, metavar="THREADS",
                     help="also time one step's weight matmuls per kernel with this many torch threads")
-    ap.add_argument("--int4-kernel", choices=["aten", "fp16"],
+    ap.add_argument("--int4-kernel", choices=["auto", "gguf", "fp16", "aten"],
                     help="force the kernel of as-shipped's quantized matrices (default: this CPU's, see "
                          "engine_ext/native/quant.py int4_kernel)")
     ap.add_argument("--json", help="write all results here")
@@ -360,7 +370,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\n{name}\nmachine: {describe_machine(out['machine'])}\n"
           f"as-shipped kernel: {out['int4_kernel']}; int8 kernel: aten _weight_int8pack_mm")
     if not args.no_quality:
-        q = out["quality"] = quality(args.model, args.variants, args.new)
+        q = out["quality"] = quality(args.model, args.variants, args.new, args.quality_batch)
         print(f"\nquality against float32 dequantized from the same GGUF | {len(PROMPTS)} chat prompts, "
               f"{args.new} greedy tokens each, float32 compute\n")
         print("| weights | greedy prefix agreement | full matches | last-pos max abs diff | last-pos rel RMS "

@@ -11,7 +11,8 @@ import torch
 
 from interlace.engine_ext.native import cpu_attention
 
-pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compiler to build the kernel")
+# every test but the no-compiler fallback needs the kernel built (a C compiler); CI has one
+needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compiler to build the kernel")
 
 
 def paged(lens, hkv, d, bs, num_blocks, seed, share_prefix=0):
@@ -46,6 +47,7 @@ def reference(q, kc, vc, tables, starts, lens, bs, scale, window=0):
     return out
 
 
+@needs_kernel
 @pytest.mark.parametrize("hkv, group, d", [(1, 1, 16), (3, 3, 64), (2, 4, 32), (4, 1, 128)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_the_reference_on_ragged_contexts(hkv, group, d, kv_dtype):
@@ -62,6 +64,7 @@ def test_kernel_matches_the_reference_on_ragged_contexts(hkv, group, d, kv_dtype
     assert (got.double() - want).abs().max() < 1e-5  # float32 accumulation over <= 250 keys
 
 
+@needs_kernel
 def test_kernel_forks_sharing_blocks_and_sliding_window():
     kernel = cpu_attention.load()
     bs, hkv, d = 8, 2, 32
@@ -75,23 +78,33 @@ def test_kernel_forks_sharing_blocks_and_sliding_window():
         assert (got.double() - want).abs().max() < 1e-5, window
 
 
-def test_kernel_splits_work_over_threads_identically():
+@needs_kernel
+def test_kernel_splits_work_over_threads_identically(monkeypatch):
     kernel = cpu_attention.load()
     lens = [5 + 7 * i for i in range(13)]
     kc, vc, tables, starts = paged(lens, 3, 64, 16, 64, seed=5)
     q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(3))
     args = (q, kc, vc, torch.tensor(tables), torch.tensor(starts), torch.tensor(lens), 0.125)
     old = torch.get_num_threads()
+    submitted = []
+    real_submit = cpu_attention.ThreadPoolExecutor.submit
+    monkeypatch.setattr(cpu_attention.ThreadPoolExecutor, "submit",
+                        lambda self, *a: submitted.append(1) or real_submit(self, *a))
     try:
         torch.set_num_threads(1)
         one = kernel(*args)
         torch.set_num_threads(3)
+        small = kernel(*args)  # 611 keys x 9 heads x 64: below PARALLEL_MIN_WORK, stays in this thread
+        assert not submitted
+        monkeypatch.setattr(cpu_attention, "PARALLEL_MIN_WORK", 0)
         three = kernel(*args)
+        assert len(submitted) == 2  # two of three shares went to pool threads
     finally:
         torch.set_num_threads(old)
-    assert torch.equal(one, three)  # each (context, head) is computed by one thread, the same way
+    assert torch.equal(one, three) and torch.equal(one, small)  # each (context, head): one thread, the same way
 
 
+@needs_kernel
 def test_engine_with_the_kernel_generates_what_the_torch_path_does(smol_dir):
     """Greedy tokens of the embedded model, ragged prompts decoding together and a fork of one of
     them, with the kernel and with the torch path (both float32)."""

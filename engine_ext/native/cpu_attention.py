@@ -23,18 +23,16 @@ lengths, block boundaries, forks sharing blocks, GQA and sliding windows.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from . import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -104,34 +102,13 @@ KERNEL(paged_decode_bf16, uint16_t, LOAD_BF16)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
 
+# Below this many (key x query head x head dim) products a decode step's attention runs in the calling
+# thread: measured at batch 1, handing two of three KV heads to a pool thread took ~130 us per layer,
+# 22% of a decode step, for ~25 us of arithmetic.
+PARALLEL_MIN_WORK = 1 << 19
+
 _lock = threading.Lock()
 _loaded: dict = {}
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "paged_decode.c"
-        src.write_text(SOURCE)
-        out = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(out, target)  # atomic: a concurrent loader sees the whole file or none
 
 
 class PagedDecodeKernel:
@@ -163,6 +140,8 @@ class PagedDecodeKernel:
                 lens.data_ptr(), H, hkv, D, nb, bs, ctypes.c_float(scale), int(window), out.data_ptr())
         items = B * hkv
         n = max(1, min(torch.get_num_threads(), items))
+        if n > 1 and int(lens.sum()) * H * D < PARALLEL_MIN_WORK:
+            n = 1  # waking a second thread (behind torch's spinning OpenMP workers) costs more than the work
         if n == 1:
             self._check(fn(*args, 0, items))
             return out
@@ -185,19 +164,17 @@ class PagedDecodeKernel:
 
 def load(cache_dir: Optional[Path] = None) -> Optional[PagedDecodeKernel]:
     """The kernel, built on first use (a second or two) and cached; ``None`` where it cannot be built."""
-    from .loader import cache_root
-
-    key = hashlib.sha256("\0".join((SOURCE, *FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
-    target = (cache_dir or cache_root() / "kernels") / f"paged_decode_{key}.so"
+    command = [cbuild.compiler(), *FLAGS]
+    target = cbuild.target("paged_decode", SOURCE, [*command[1:], "-lm"], cache_dir)
     with _lock:
         if target in _loaded:
             return _loaded[target]
         kernel = None
         try:
             if not target.exists():
-                _build(target)
+                cbuild.build(SOURCE, "c", command, target, ["-lm"])
             kernel = PagedDecodeKernel(ctypes.CDLL(str(target)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        except (OSError, cbuild.BuildError) as e:
             log.warning("the CPU paged-attention kernel is not available (%s); decode attention gathers the "
                         "cache with torch instead", e)
         _loaded[target] = kernel

@@ -23,6 +23,7 @@ class ModelRunner:
             kv_dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim) and device.type == "cpu"
         self.attention_kernel = attention_kernel if supported else None
         self.model = model
+        self.fused = _fused_ops(model, device)
         self.variants = variants  # several fine-tuned variants in one batch (BlockLLM), or None
         self.block_size = block_size
         self.device = device
@@ -77,10 +78,11 @@ class ModelRunner:
                 logit_chunks.append(ci)
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-                                 prefills=prefills)
+                                 prefills=prefills, fused=self.fused)
         if self.variants is not None and len(self.variants) > 1:
             meta.variants = self.variants.batch([batch.chunks[ci].ctx.variant for ci in order
                                                  for _ in range(batch.chunks[ci].num)])
+            meta.fused = None
         if decode_rows and self.attention_kernel is not None:
             tables: List[int] = []
             starts: List[int] = []
@@ -128,3 +130,17 @@ class ModelRunner:
         if windowed:
             mask &= k > q - w
         return mask
+
+
+def _fused_ops(model: LlamaForCausalLM, device: torch.device) -> Optional[Any]:
+    """The fused decode-step ops (:mod:`.cpu_matmul`) where they apply: quantized weights (whose
+    matmuls are not the float32 reference anyway: the dense float32 path stays token-for-token
+    transformers'), float32 activations on the CPU, no q/k norm.  None otherwise or where the
+    kernels cannot be built."""
+    if device.type != "cpu" or getattr(model, "weights_format", None) not in ("as-shipped", "int8"):
+        return None
+    if model.norm.weight.dtype != torch.float32 or model.cfg.qk_norm:
+        return None
+    from . import cpu_matmul
+
+    return cpu_matmul.load()

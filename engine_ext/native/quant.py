@@ -295,31 +295,68 @@ def concat_groups(parts: Sequence[Int4Groups]) -> Int4Groups:
                       torch.cat([p.zero for p in parts]), parts[0].doubled)
 
 
+def gguf_blocks(groups: Int4Groups) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The GGUF blocks behind int4 groups, as :mod:`.cpu_matmul` takes them: ``(codes, d, m)``
+    with ``w[n, 32g + i] = codes[n, 32g + i] * d[n, g] + m[n, g]`` (``m`` None when all zero).
+
+    4-bit groups give their codes (uint8 0..15) with ``d = scale`` and ``m = zero - 8 scale``.
+    The doubled layout gives int8 codes: a Q8_0 block's ``16 hi + lo - 128`` (its hi group
+    has scale ``16 d`` and zero 0, its lo group scale ``d`` and zero ``8 d``), a 4-bit part's
+    ``lo - 8`` with its offset (hi group all zero)."""
+    if not groups.doubled:
+        return groups.q, groups.scale, groups.zero - 8 * groups.scale
+    k, g = groups.in_features, groups.scale.shape[1] // 2
+    hi, lo = groups.q[:, :k].to(torch.int16), groups.q[:, k:].to(torch.int16)
+    s_hi, s_lo, z_hi, z_lo = groups.scale[:, :g], groups.scale[:, g:], groups.zero[:, :g], groups.zero[:, g:]
+    q8 = (s_hi == 16 * s_lo) & (z_hi == 0) & (z_lo == 8 * s_lo)
+    q4 = (s_hi == 0) & (z_hi == 0) & ~q8
+    if not bool((q8 | q4).all()):
+        raise QuantError("doubled int4 groups that are neither Q8_0 nor 4-bit blocks")
+    wide = q8.repeat_interleave(GROUP, dim=1)
+    codes = torch.where(wide, 16 * hi + lo - 128, lo - 8).to(torch.int8)
+    m = torch.where(q8, torch.zeros_like(z_lo), z_lo)
+    return codes.contiguous(), s_lo, (m if bool(m.any()) else None)
+
+
 # ===================================================================== modules
-KERNELS = ("aten", "fp16")
+KERNELS = ("auto", "gguf", "fp16", "aten")
+GGUF_MAX_ROWS = 6  # "auto": matmuls of more rows than this (prefill, larger decode batches) take the fp16 GEMM
 
 
 def int4_kernel() -> str:
     """The kernel quantized GGUF matrices run with on this CPU.
 
-    ``aten``: ``_weight_int4pack_mm_for_cpu`` on the packed 4-bit codes,
-    exact.  PyTorch vectorizes it for AVX-512 only: on an AVX2 CPU it is a
-    scalar loop, ~17x slower than a float32 matmul (docs/quantization.md).
+    ``gguf``: the GGUF blocks through Interlace's own kernel
+    (:mod:`.cpu_matmul`: 0.625 bytes per Q4 weight, integer dot products on
+    activations rounded to int8 per 32-group, as llama.cpp does).
     ``fp16``: the GGUF's values (dequantized exactly, then rounded to fp16:
     a relative error of at most 2^-11 per weight, far below the
     quantization's own) through fbgemm's fp16-weight GEMM
     (``quantized::linear_dynamic_fp16``: fp32 activations and accumulation,
-    vectorized with AVX2 + F16C), 2 bytes per weight.  The default: ``aten``
-    where PyTorch dispatches to AVX-512 kernels or fbgemm is missing,
-    ``fp16`` on other x86 CPUs.  ``INTERLACE_INT4_KERNEL`` forces one."""
+    vectorized with AVX2 + F16C), 2 bytes per weight.
+    ``auto``: ``gguf`` for matmuls of up to :data:`GGUF_MAX_ROWS` rows --
+    decode at small batches, where reading the weights is the cost -- and
+    ``fp16`` for more (prefill, batch 8+), where its GEMM's arithmetic is
+    faster; both copies are held (2.6 bytes per weight).
+    ``aten``: ``_weight_int4pack_mm_for_cpu`` on the packed 4-bit codes,
+    exact, but slow on every CPU measured (torch 2.13: 20x a float32 matmul
+    at one row even with AVX-512; docs/quantization.md): for comparison only.
+    The default: ``auto`` where the gguf kernel builds (a C++ compiler) and
+    fbgemm exists, else whichever of ``gguf``/``fp16`` does, else ``aten``.
+    ``INTERLACE_INT4_KERNEL`` forces one."""
     forced = os.environ.get("INTERLACE_INT4_KERNEL")
     if forced:
         if forced not in KERNELS:
             raise QuantError(f"INTERLACE_INT4_KERNEL must be one of {list(KERNELS)}, got {forced!r}")
         return forced
-    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return "aten"
-    return "fp16" if "fbgemm" in torch.backends.quantized.supported_engines else "aten"
+    from . import cpu_matmul
+
+    gguf, fp16 = cpu_matmul.load() is not None, _has_fbgemm()
+    return "auto" if gguf and fp16 else "gguf" if gguf else "fp16" if fp16 else "aten"
+
+
+def _has_fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
 
 
 class Int4Linear(nn.Module):
@@ -341,8 +378,21 @@ class Int4Linear(nn.Module):
             raise QuantError(f"unknown int4 kernel {self.kernel!r}")
         self.in_features, self.out_features, self.doubled = groups.in_features, n, groups.doubled
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        if self.kernel == "fp16":  # the values (a doubled layout's two halves summed) as one fp16 matrix
+        self._fp16 = None
+        if self.kernel in ("auto", "gguf"):
+            from . import cpu_matmul
+
+            self._ops = cpu_matmul.load()
+            if self._ops is None:
+                raise QuantError(f"the {self.kernel} kernel needs the gguf kernel, which cannot be built here "
+                                 "(see the log)")
+            codes, d, m = gguf_blocks(groups)
+            self._four_bit = codes.dtype == torch.uint8
+            self.register_buffer("blocks", cpu_matmul.pack(codes, d, torch.zeros_like(d) if m is None else m))
+        if self.kernel in ("fp16", "auto"):
+            # the values (a doubled layout's two halves summed) as one fp16 matrix
             self._fp16 = torch.ops.quantized.linear_prepack_fp16(groups.dense().contiguous(), None)
+        if self.kernel != "aten":
             return
         q, scale, zero = groups.q, groups.scale.float(), groups.zero.float()
         pad = -n % 16  # aten packs rows in sixteens: padding rows of zero weights, cut from the output
@@ -359,7 +409,9 @@ class Int4Linear(nn.Module):
         return _apply_rows(self, x, self._matmul)
 
     def _matmul(self, a: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "fp16":
+        if self.kernel == "gguf" or (self.kernel == "auto" and a.shape[0] <= GGUF_MAX_ROWS):
+            return (self._ops.q4_linear if self._four_bit else self._ops.q8_linear)(a, self.blocks, self.out_features)
+        if self._fp16 is not None:
             return torch.ops.quantized.linear_dynamic_fp16(a, self._fp16)
         if self.doubled:
             a = torch.cat([a, a], dim=1)
@@ -390,6 +442,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _apply_rows(self, x, lambda a: torch._weight_int8pack_mm(a, self.qweight, self.scales))
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, per-channel int8"
+
 
 def _apply_rows(mod: nn.Module, x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``matmul`` (float32 rows in, [rows, out_features] out) over ``x``'s rows, plus the bias,
@@ -400,9 +455,6 @@ def _apply_rows(mod: nn.Module, x: torch.Tensor, matmul: Callable[[torch.Tensor]
     if mod.bias is not None:
         y = y + mod.bias
     return y.to(x.dtype).reshape(*shape[:-1], mod.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, per-channel int8"
 
 
 class QuantEmbedding(nn.Module):
@@ -519,7 +571,7 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     for m in model.modules():
-        if isinstance(m, Int4Linear) and m.kernel == "fp16":
+        if isinstance(m, Int4Linear) and m._fp16 is not None:
             total += 2 * m.in_features * m.out_features
     return total
 
@@ -610,4 +662,4 @@ def _has_tokenizer(gguf_path: Path) -> bool:
 __all__ = ["WEIGHTS", "QuantError", "GGUFTensor", "read_gguf_tensors", "dequantize_rows", "int4_groups",
            "Int4Groups", "Int4Linear", "Int8Linear", "QuantEmbedding", "model_from_gguf", "quantize_int8",
            "gguf_file", "gguf_meta_dir", "permute_rows", "unpermute_rows", "hf_name", "linear_modules", "weight_bytes",
-           "int4_kernel"]
+           "int4_kernel", "gguf_blocks"]

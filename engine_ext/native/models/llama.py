@@ -120,6 +120,10 @@ class AttentionMetadata:
     window: int = 0                               # sliding window (0: none), for the kernel
     # rows of several model variants (BlockLLM, ``native/block_sharing.py``): which weights each row uses
     variants: Optional[Any] = None                # a block_sharing.VariantBatch, or None: the base model only
+    # the fused float32 ops of ``native/cpu_matmul.py`` (quantized weights on the CPU), or None: eager torch
+    fused: Optional[Any] = None
+    cos: Optional[torch.Tensor] = None            # [T, head_dim] float32, for the fused rotary embedding
+    sin: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -196,14 +200,18 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = _linear(self.qkv, x, meta).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
-        if self.q_norm is not None:
-            q, k = _norm(self.q_norm, q, meta), _norm(self.k_norm, k, meta)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_blocks, v_blocks = kv[0], kv[1]  # [Hkv, num_blocks, block_size, D]
-        k_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_blocks.dtype))
-        v_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_blocks.dtype))
+        if meta.fused is not None:  # one call: rotary embedding of q and k, k and v into the cache
+            q = meta.fused.rope_store(_linear(self.qkv, x, meta), meta.cos, meta.sin, self.h, self.hkv,
+                                      k_blocks, v_blocks, meta.slot_mapping)
+        else:
+            q, k, v = _linear(self.qkv, x, meta).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+            q, k, v = q.view(T, self.h, self.d), k.view(T, self.hkv, self.d), v.view(T, self.hkv, self.d)
+            if self.q_norm is not None:
+                q, k = _norm(self.q_norm, q, meta), _norm(self.k_norm, k, meta)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            k_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_blocks.dtype))
+            v_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_blocks.dtype))
 
         out = torch.empty_like(q)
         for p in meta.prefills:
@@ -297,12 +305,29 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        if meta.fused is not None:
+            return self._fused_forward(x, cos, sin, kv_caches, meta, logits_rows)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_caches[i], meta)
         if meta.variants is None:
             return self.lm_head(self.norm(x[logits_rows])).float()
         rows = meta.variants.select(logits_rows)  # the logit rows' variants
         return rows.linear(self.lm_head, rows.norm(self.norm, x[logits_rows])).float()
+
+    def _fused_forward(self, x, cos, sin, kv_caches, meta: AttentionMetadata, logits_rows) -> torch.Tensor:
+        """The same layers with the residual add and the next RMSNorm as one op, SiLU-times-up as
+        one, the rotary embedding and the cache write as one (``meta.fused``): float32, no
+        variants, no q/k norm (the model runner checks)."""
+        ops, eps, T = meta.fused, self.cfg.rms_norm_eps, x.shape[0]
+        meta.cos, meta.sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
+        x = x.contiguous()  # the residual stream, updated in place
+        h = ops.rms_norm(x, self.layers[0].input_norm.weight, eps)
+        norms = [layer.post_norm.weight for layer in self.layers]
+        following = [layer.input_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
+        for i, layer in enumerate(self.layers):
+            h = ops.add_rms_norm_(x, layer.attn(h, cos, sin, kv_caches[i], meta), norms[i], eps)
+            h = ops.add_rms_norm_(x, layer.mlp.down(ops.silu_mul(layer.mlp.gate_up(h))), following[i], eps)
+        return self.lm_head(h[logits_rows]).float()
 
     # ------------------------------------------------------------- weights
     def hf_weight_map(self) -> List[tuple]:

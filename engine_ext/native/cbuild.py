@@ -1,0 +1,74 @@
+"""Compiling the engine's small native kernels on first use.
+
+The CPU kernels (:mod:`.cpu_attention`, :mod:`.cpu_matmul`) ship as source
+and are compiled on the machine that runs them, with ``-march=native``: the
+machines this runs on differ (AVX2 only, AVX-512 with VNNI and BF16, ARM),
+and one wheel per ISA is not worth it for a few hundred lines.  A build is
+cached under the model cache's ``kernels/`` directory, keyed by the source,
+the compiler command and the CPU's flags, so a second process (or a machine
+with another CPU sharing the directory) never loads a binary built for
+something else.  A failed build raises :class:`BuildError`; callers fall back
+to torch and log one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+class BuildError(RuntimeError):
+    """The kernel could not be compiled here (no compiler, or it failed)."""
+
+
+def cpu_flags() -> str:
+    """This CPU's feature flags (the ``flags`` line of /proc/cpuinfo), or the machine name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def compiler(cplusplus: bool = False) -> Optional[str]:
+    """``$CC`` / ``$CXX``, else the first C (C++) compiler on PATH."""
+    env = os.environ.get("CXX" if cplusplus else "CC")
+    if env:
+        return env
+    names = ("c++", "g++", "clang++") if cplusplus else ("cc", "gcc", "clang")
+    return next((p for p in map(shutil.which, names) if p), None)
+
+
+def target(name: str, source: str, args: Sequence[str], cache_dir: Optional[Path] = None) -> Path:
+    """Where the build of ``source`` with ``args`` for this CPU is cached."""
+    from .loader import cache_root
+
+    key = hashlib.sha256("\0".join((source, *args, cpu_flags())).encode()).hexdigest()[:16]
+    return (cache_dir or cache_root() / "kernels") / f"{name}_{key}.so"
+
+
+def build(source: str, suffix: str, command: Sequence[str], out: Path, libs: Sequence[str] = ()) -> None:
+    """Compile ``source`` (written to a ``.suffix`` file) into the shared library ``out``:
+    ``command`` is the compiler and its flags; the source, output and then ``libs`` (``-l``
+    options come after the source, or the linker drops them) are appended."""
+    if not command or command[0] is None:
+        raise BuildError("no C/C++ compiler (cc, gcc, clang; c++, g++, clang++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / f"kernel.{suffix}"
+        src.write_text(source)
+        lib = Path(tmp) / out.name
+        try:
+            done = subprocess.run([*command, str(src), "-o", str(lib), *libs], capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise BuildError(f"{command[0]}: {e}") from e
+        if done.returncode != 0:
+            raise BuildError(f"{command[0]} failed: {done.stderr.strip()[-500:]}")
+        os.replace(lib, out)  # atomic: a concurrent loader sees the whole file or none

@@ -1,0 +1,422 @@
+"""Quantized matrix products on the CPU in the GGUF block formats, and the decode step's small ops fused.
+
+Batch-1 decode reads every weight once per token, so its speed is the bytes
+per weight: float32 reads 4, fbgemm's fp16 GEMM (:mod:`.quant`'s other path)
+2, a Q4 block 0.625 (16 bytes of codes and fp16 scale and offset per 32
+weights, as in the GGUF).  This kernel keeps the weights in those blocks and
+does the arithmetic in integers: each activation row is rounded per 32-group
+to int16 with a scale (``round(x / (max|x| / 32767))``), a block's dot product
+is int16 multiply-adds (``vpmaddwd``, AVX-VNNI ``vpdpwssd`` where the CPU has
+it; a portable loop elsewhere), scaled once per block in float32, and a
+block's offset (Q4_1's minimum) multiplies the exact float sum of the
+activations' group.  llama.cpp rounds the activations to int8 instead, which
+is cheaper but, measured on the embedded model, moved each matmul by 2-5%
+(activations have outliers: one large value sets its group's step) and the
+greedy output within 32 tokens on 14 of 20 prompts; int16 costs ~11% more
+time and is more accurate than the fp16 GEMM (docs/quantization.md).
+
+Layout: tiles of 8 weight rows.  For each 32-group a tile holds the 8 rows'
+fp16 scales, their fp16 offsets, then each row's codes: one load and one
+conversion give eight blocks' scales, so the per-block scalar work that
+otherwise bounds this kernel (it is limited by instructions, not memory, at
+0.6 bytes a weight) becomes vector work, and eight independent accumulators
+hide the FMA latency.  Rows are split over torch's threads
+(``at::parallel_for``: the same OpenMP pool as torch's own kernels, so no
+second set of spinning threads).
+
+``q4_linear(x, tiles, n)``: 4-bit codes (Q4_0, Q4_1; GGUF's nibble order).
+``q8_linear(x, tiles, n)``: int8 codes (Q8_0; a 4-bit part fused into a Q8_0
+matrix has codes -8..7 and an offset).  ``x`` is float32 ``[M, K]``.
+
+The fused ops (``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_store``)
+replace the ~40 eager torch ops around a layer's four matmuls -- ~8 ms of
+dispatch per token at batch 1 -- for float32 engines with quantized weights
+(``ModelRunner``; the dense float32 path stays the reference).
+
+It is C++ against torch's headers, compiled on first use like
+:mod:`.cpu_attention` (:mod:`.cbuild`: about 10 s, cached per CPU and torch
+version) and registered as ``torch.ops.interlace_gguf``; :func:`load` returns
+``None`` where it cannot be built, and :mod:`.quant` keeps its fp16 path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+from . import cbuild
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+// The weights in tiles of 8 rows: for each 32-group g of the input, a tile holds the 8 rows' scales
+// d (8 x fp16), their offsets m (8 x fp16), then each row's codes, so w = code * d + m.  Q4: 16 bytes
+// of codes a row, weight i in the low nibble of byte i and weight 16 + i in its high nibble (GGUF's
+// order); Q8: 32 int8 codes.  Eight rows' scales in one load make the per-block scale arithmetic
+// one vector op for eight blocks instead of eight scalar ones (the kernel is bound by instructions,
+// not memory, at 0.6 bytes a weight).
+constexpr int TW = 8;  // rows per tile
+template <bool Q4> constexpr int64_t CODES = Q4 ? 16 : 32;
+template <bool Q4> constexpr int64_t TILE = 32 + TW * CODES<Q4>;  // bytes per tile per group
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) bits = sign;
+    else { float f = std::ldexp((float)man, -24); std::memcpy(&bits, &f, 4); bits |= sign; }
+  } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+  else bits = sign | ((exp + 112) << 23) | (man << 13);
+  float f; std::memcpy(&f, &bits, 4); return f;
+}
+
+// Activations as int16 per row and 32-group: codes round(x / dx) with dx = max|x| / 32767, plus each
+// group's exact float sum for the blocks' offsets.  (llama.cpp rounds them to int8, 1/127 of the group's
+// largest value: with the outliers of real activations that moved this model's matmuls by 2-5% and its
+// greedy output within 32 tokens on 14 of 20 prompts; at 1/32767 the rounding is below fp16's.)
+static void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* xq, float* dx, float* xs) {
+  const int64_t G = K / 32;
+  for (int64_t i = 0; i < M * G; i++) {
+    const float* v = x + i * 32;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < 32; j++) { amax = std::max(amax, std::fabs(v[j])); sum += v[j]; }
+    const float d = amax / 32767.f, inv = d > 0.f ? 1.f / d : 0.f;
+    for (int j = 0; j < 32; j++) xq[i * 32 + j] = (int16_t)std::nearbyint(v[j] * inv);
+    dx[i] = d;
+    xs[i] = sum;
+  }
+}
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+// a += the 8 int32 sums of adjacent products of a and b's 16 int16 lanes
+static inline __m256i madd16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// one tile (8 weight rows) against one activation row: out[w] = sum_g d * dx * <codes, xq> + m * xs
+template <bool Q4>
+static void tile_row(const uint8_t* tile, const int16_t* xq, const float* dx, const float* xs, int64_t G, float* out) {
+  __m256 acc[TW], off = _mm256_setzero_ps();
+  for (int w = 0; w < TW; w++) acc[w] = _mm256_setzero_ps();
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* t = tile + g * TILE<Q4>;
+    for (int64_t i = 0; i < TILE<Q4>; i += 64) __builtin_prefetch(t + 8 * TILE<Q4> + i, 0, 3);
+    const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t)), _mm256_set1_ps(dx[g]));
+    off = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t + 16))), _mm256_set1_ps(xs[g]), off);
+    const __m256i s0 = _mm256_loadu_si256((const __m256i*)(xq + g * 32));
+    const __m256i s1 = _mm256_loadu_si256((const __m256i*)(xq + g * 32 + 16));
+    for (int w = 0; w < TW; w++) {
+      __m256i c0, c1;
+      if constexpr (Q4) {
+        const __m128i b = _mm_loadu_si128((const __m128i*)(t + 32 + w * 16));
+        c0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, low));
+        c1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+      } else {
+        c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(t + 32 + w * 32)));
+        c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(t + 32 + w * 32 + 16)));
+      }
+      const __m256i p = madd16(madd16(_mm256_setzero_si256(), c0, s0), c1, s1);
+      acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(sc, _mm256_set1_epi32(w)), acc[w]);
+    }
+  }
+  // eight horizontal sums at once
+  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 a = _mm256_hadd_ps(h01, h23), b = _mm256_hadd_ps(h45, h67);
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  _mm256_storeu_ps(out, _mm256_add_ps(sum, off));
+}
+#else
+template <bool Q4>
+static void tile_row(const uint8_t* tile, const int16_t* xq, const float* dx, const float* xs, int64_t G, float* out) {
+  for (int w = 0; w < TW; w++) out[w] = 0.f;
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* t = tile + g * TILE<Q4>;
+    for (int w = 0; w < TW; w++) {
+      uint16_t h[2];
+      std::memcpy(&h[0], t + 2 * w, 2);
+      std::memcpy(&h[1], t + 16 + 2 * w, 2);
+      const uint8_t* c = t + 32 + w * CODES<Q4>;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; i++)
+        sum += xq[g * 32 + i] * (Q4 ? (i < 16 ? c[i] & 15 : c[i - 16] >> 4) : (int)(int8_t)c[i]);
+      out[w] += half_to_float(h[0]) * dx[g] * (float)sum + half_to_float(h[1]) * xs[g];
+    }
+  }
+}
+#endif
+
+template <bool Q4>
+static at::Tensor linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32, T = (N + TW - 1) / TW;
+  TORCH_CHECK(K % 32 == 0 && tiles.dim() == 2 && tiles.size(0) == T && tiles.size(1) == G * TILE<Q4>
+              && tiles.is_contiguous() && tiles.scalar_type() == at::kByte,
+              "tiles: uint8 [ceil(N/8), K/32 * tile bytes] for x's K");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kShort));
+  at::Tensor aux = at::empty({2, M, G}, x.options());
+  int16_t* xqp = xq.data_ptr<int16_t>();
+  float *dxp = aux.data_ptr<float>(), *xsp = dxp + M * G, *yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    quantize_rows(xp + a * K, b - a, K, xqp + a * K, dxp + a * G, xsp + a * G);
+  });
+  const int64_t grain = std::max<int64_t>(2, T / (4 * at::get_num_threads()));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    float out[TW];
+    for (int64_t t = t0; t < t1; t++)
+      for (int64_t r = 0; r < M; r++) {  // the tile stays in L1 across the activation rows
+        tile_row<Q4>(qp + t * G * TILE<Q4>, xqp + r * K, dxp + r * G, xsp + r * G, G, out);
+        const int64_t n = t * TW, w = std::min<int64_t>(TW, N - n);
+        std::memcpy(yp + r * N + n, out, sizeof(float) * w);
+      }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------- the decode step's small ops, fused
+// At batch 1 a decoder layer is ~40 eager torch ops around four matmuls, ~8 ms of dispatch per token
+// for the embedded model: these do the same arithmetic (float32) in one call each.
+
+static inline void norm_row(const float* x, const float* w, float eps, int64_t D, float* y) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / (float)D + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < D; i++) y[i] = w[i] * (x[i] * inv);
+}
+
+static void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [T, D]");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "w: float32 [D]");
+}
+
+// RMSNorm: w * x / sqrt(mean(x^2) + eps)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  at::Tensor y = at::empty_like(x);
+  const int64_t D = x.size(1);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; t++) norm_row(xp + t * D, wp, (float)eps, D, yp + t * D);
+  });
+  return y;
+}
+
+// The residual stream: x += delta (in place), then RMSNorm(x)
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == at::kFloat && delta.is_contiguous(), "delta like x");
+  at::Tensor y = at::empty_like(x);
+  const int64_t D = x.size(1);
+  float *xp = x.data_ptr<float>(), *yp = y.data_ptr<float>();
+  const float *dp = delta.data_ptr<float>(), *wp = w.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; t++) {
+#pragma omp simd
+      for (int64_t i = 0; i < D; i++) xp[t * D + i] += dp[t * D + i];
+      norm_row(xp + t * D, wp, (float)eps, D, yp + t * D);
+    }
+  });
+  return y;
+}
+
+// silu(gate) * up for gate_up = [gate | up] along the last dimension
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
+              "gate_up: contiguous float32 [T, 2I]");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  at::Tensor y = at::empty({T, I}, gu.options());
+  const float* g = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; t++)
+      for (int64_t i = 0; i < I; i++) {
+        const float v = g[t * 2 * I + i];
+        yp[t * I + i] = v / (1.f + std::exp(-v)) * g[t * 2 * I + I + i];
+      }
+  });
+  return y;
+}
+
+// Rotary embedding (rotate-half, as Hugging Face's Llama) on q and k of a fused qkv projection,
+// k and v written into the paged cache at their slots; returns q [T, H, D].
+template <typename C>
+static void rope_rows(const float* qkv, const float* cs, const float* sn, const int64_t* slots, int64_t H, int64_t Hkv,
+                      int64_t D, int64_t NB, int64_t BS, C* kc, C* vc, float* q, int64_t a, int64_t b) {
+  const int64_t half = D / 2, W = (H + 2 * Hkv) * D;
+  for (int64_t t = a; t < b; t++) {
+    const float *row = qkv + t * W, *c = cs + t * D, *s = sn + t * D;
+    for (int64_t h = 0; h < H + Hkv; h++) {
+      const float* v = row + h * D;
+      float out[512];
+      for (int64_t i = 0; i < half; i++) {
+        out[i] = v[i] * c[i] - v[i + half] * s[i];
+        out[i + half] = v[i + half] * c[i + half] + v[i] * s[i + half];
+      }
+      if (h < H) {
+        std::memcpy(q + (t * H + h) * D, out, sizeof(float) * D);
+      } else {
+        C* dst = kc + ((h - H) * NB * BS + slots[t]) * D;
+        for (int64_t i = 0; i < D; i++) dst[i] = (C)out[i];
+      }
+    }
+    for (int64_t h = 0; h < Hkv; h++) {
+      const float* v = row + (H + Hkv + h) * D;
+      C* dst = vc + (h * NB * BS + slots[t]) * D;
+      for (int64_t i = 0; i < D; i++) dst[i] = (C)v[i];
+    }
+  }
+}
+
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(), "qkv: contiguous float32");
+  const int64_t T = qkv.size(0), D = k_cache.size(3), NB = k_cache.size(1), BS = k_cache.size(2);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D && D % 2 == 0 && D <= 512, "qkv width or head size");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == T * D && cos.scalar_type() == at::kFloat
+              && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "cos, sin: float32 [T, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == Hkv && k_cache.is_contiguous()
+              && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(), "caches [Hkv, blocks, bs, D]");
+  TORCH_CHECK(slots.numel() == T && slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots: int64 [T]");
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  const float *x = qkv.data_ptr<float>(), *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++) TORCH_CHECK(sl[t] >= 0 && sl[t] < NB * BS, "slot out of range");
+  float* qp = q.data_ptr<float>();
+  if (k_cache.scalar_type() == at::kFloat) {
+    float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+    at::parallel_for(0, T, 16, [&](int64_t a, int64_t b) { rope_rows(x, c, s, sl, H, Hkv, D, NB, BS, kc, vc, qp, a, b); });
+  } else {
+    TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16, "cache dtype: float32 or bfloat16");
+    at::BFloat16 *kc = k_cache.data_ptr<at::BFloat16>(), *vc = v_cache.data_ptr<at::BFloat16>();
+    at::parallel_for(0, T, 16, [&](int64_t a, int64_t b) { rope_rows(x, c, s, sl, H, Hkv, D, NB, BS, kc, vc, qp, a, b); });
+  }
+  return q;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) { return linear<true>(x, tiles, n); }
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) { return linear<false>(x, tiles, n); }
+
+TORCH_LIBRARY(interlace_gguf, m) {
+  m.def("q4_linear(Tensor x, Tensor tiles, int n) -> Tensor", &q4_linear);
+  m.def("q8_linear(Tensor x, Tensor tiles, int n) -> Tensor", &q8_linear);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor", &add_rms_norm_);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slots) -> Tensor", &rope_store);
+}
+"""
+
+TILE_ROWS = 8  # weight rows per tile (``TW`` in the source)
+
+_lock = threading.Lock()
+_loaded: dict = {}
+
+
+def _command() -> Tuple[list, list]:
+    """The compiler command (against this torch's headers, for this CPU) and the libraries."""
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
+    return [cbuild.compiler(cplusplus=True), *flags], libs
+
+
+def load(cache_dir: Optional[Path] = None) -> Optional[object]:
+    """``torch.ops.interlace_gguf`` (``q4_linear``, ``q8_linear``), built on first use and
+    cached; ``None`` where it cannot be built (one log line says why)."""
+    with _lock:
+        if "ops" in _loaded:
+            return _loaded["ops"]
+        ops = None
+        try:
+            command, libs = _command()
+            # torch's version in the key: the library links against its C++ ABI
+            target = cbuild.target("gguf_matmul", SOURCE, [*command[1:], *libs, torch.__version__], cache_dir)
+            if not target.exists():
+                cbuild.build(SOURCE, "cpp", command, target, libs)
+            torch.ops.load_library(str(target))
+            ops = torch.ops.interlace_gguf
+        except (OSError, RuntimeError, cbuild.BuildError) as e:
+            log.warning("the GGUF matmul kernel is not available (%s); quantized weights run through "
+                        "fbgemm's fp16 GEMM instead", e)
+        _loaded["ops"] = ops
+        return ops
+
+
+def pack(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Codes ``[N, K]`` (uint8 0..15: 4-bit; int8: 8-bit) with per-32-group ``d``, ``m`` ``[N, K/32]``
+    as the kernel's tiles ``[ceil(N/8), K/32 * tile bytes]`` (see the kernel source: eight rows'
+    fp16 scales, their fp16 offsets, their codes, 4-bit ones two to a byte in GGUF's order; rows
+    padded to a multiple of 8 with zeros).  ``d`` and ``m`` must be fp16 values (a GGUF's are):
+    anything else raises, as the kernel would compute with other weights than the model's."""
+    n, k = codes.shape
+    if k % 32:
+        raise ValueError(f"input size {k} is not a multiple of 32")
+    if codes.dtype not in (torch.uint8, torch.int8):
+        raise ValueError(f"codes must be uint8 (4-bit) or int8, not {codes.dtype}")
+    dm = torch.stack([d, m]).float()                                          # [2, N, G]
+    half = dm.half()
+    if not torch.equal(half.float(), dm):
+        raise ValueError("block scales or offsets are not fp16 values")
+    g, pad = k // 32, -n % TILE_ROWS
+    if codes.dtype == torch.uint8:
+        c = codes.view(n, g, 2, 16)
+        body = c[:, :, 0] | (c[:, :, 1] << 4)                                  # [N, G, 16]
+    else:
+        body = codes.view(n, g, 32).view(torch.uint8)                          # [N, G, 32]
+    if pad:
+        body = torch.cat([body, body.new_zeros(pad, g, body.shape[-1])])
+        half = torch.cat([half, half.new_zeros(2, pad, g)], dim=1)
+    t = (n + pad) // TILE_ROWS
+    heads = half.view(2, t, TILE_ROWS, g).permute(1, 3, 0, 2).contiguous()   # [T, G, 2, 8] fp16
+    heads = heads.view(torch.uint8).reshape(t, g, 32)
+    rows = body.view(t, TILE_ROWS, g, -1).transpose(1, 2).reshape(t, g, -1)  # [T, G, 8 * codes]
+    return torch.cat([heads, rows], dim=-1).reshape(t, -1).contiguous()
+
+
+def dequantize(tiles: torch.Tensor, four_bit: bool, n: int, k: int) -> torch.Tensor:
+    """The float32 weights ``[n, k]`` the tiles hold (the reference the tests hold the kernel to)."""
+    t, g = tiles.shape[0], k // 32
+    b = tiles.view(t, g, -1)
+    dm = b[..., :32].contiguous().view(torch.float16).float().view(t, g, 2, TILE_ROWS)
+    body = b[..., 32:].reshape(t, g, TILE_ROWS, -1)
+    if four_bit:
+        codes = torch.cat([body & 15, body >> 4], dim=-1).float()
+    else:
+        codes = body.contiguous().view(torch.int8).float()
+    w = codes * dm[:, :, 0, :, None] + dm[:, :, 1, :, None]                   # [T, G, 8, 32]
+    return w.permute(0, 2, 1, 3).reshape(t * TILE_ROWS, k)[:n]
