@@ -292,9 +292,9 @@ def kernel_check(model: Optional[str], threads: int, ms: List[int]) -> List[dict
             wb = w.bfloat16()
             return lambda x: torch.nn.functional.linear(x.bfloat16(), wb)
         if kind.startswith("int4"):
-            g = Q.Int4Groups(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // 32) * 0.01,
-                             torch.randn(n, k // 32) * 0.01)
-            return Q.Int4Linear(g, kernel="aten" if "aten" in kind else "fp16")
+            scale = (torch.rand(n, k // 32) * 0.01).half().float()  # a GGUF's scales are fp16 values
+            g = Q.Int4Groups(torch.randint(0, 16, (n, k), dtype=torch.uint8), scale, 8 * scale)
+            return Q.Int4Linear(g, kernel=kind.split()[1])
         if kind == "int8 aten (weight-only)":
             return Q.Int8Linear(w)
         if kind == "int8 fbgemm (dynamic activations)":
@@ -305,7 +305,10 @@ def kernel_check(model: Optional[str], threads: int, ms: List[int]) -> List[dict
         raise ValueError(kind)
 
     rows = []
-    for kind in ("float32 (dense)", "bfloat16 (dense)", "int4 aten", "int4 as fp16 (fbgemm)",
+    from interlace.engine_ext.native import cpu_matmul
+
+    gguf = ("int4 gguf (Interlace's kernel)",) if cpu_matmul.load() is not None else ()
+    for kind in ("float32 (dense)", "bfloat16 (dense)", "int4 aten", "int4 fp16 (fbgemm)", *gguf,
                  "int8 aten (weight-only)", "int8 fbgemm (dynamic activations)"):
         mods = [make(kind, n, k) for n, k in shapes]
         row = {"kernel": kind, "threads": threads}

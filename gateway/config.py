@@ -64,9 +64,11 @@ NATIVE_PROPERTIES = {
     "max_batched_tokens": {"type": "integer", "minimum": 1},
     "max_seqs": {"type": "integer", "minimum": 1},
     "max_model_len": {"type": "integer", "minimum": 16},
-    "attention": {"enum": ["auto", "kernel", "torch"],
-                  "description": "decode attention: kernel = compiled, reads the paged cache in place; torch = "
-                                 "gathers it (the reference numerics); auto = the kernel where it builds (CPU)"},
+    "attention": {"enum": ["auto", "kernel", "triton", "torch"],
+                  "description": "attention: kernel = compiled CPU decode kernel, reads the paged cache in place; "
+                                 "triton = the Triton kernels (a GPU; without CUDA only under Triton's interpreter, "
+                                 "for tests); torch = gathers it (the reference numerics); auto = the CPU kernel "
+                                 "where it builds, Triton on a GPU where it is installed"},
 }
 
 ENGINE_KINDS = ("native", "vllm", "openai")

@@ -143,6 +143,6 @@ def test_without_a_compiler_auto_falls_back_and_kernel_is_an_error(tmp_path, mon
     assert "not available" in caplog.text
     with pytest.raises(ValueError, match="cannot be built"):
         _attention_kernel("kernel", torch.device("cpu"))
-    with pytest.raises(ValueError, match="'torch', 'kernel' or 'auto'"):
+    with pytest.raises(ValueError, match="'torch', 'kernel', 'triton' or 'auto'"):
         _attention_kernel("fast", torch.device("cpu"))
     assert _attention_kernel("torch", torch.device("cpu")) is None

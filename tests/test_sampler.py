@@ -43,6 +43,20 @@ SETTINGS = {
 }
 
 
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def sampler_path(request, monkeypatch):
+    """Every test on both ways rows without top-k are drawn: the compiled nucleus kernel
+    (inverse CDF, no sort; engine_ext/native/cpu_matmul.py) and the torch race (wherever the
+    kernel cannot be built)."""
+    if request.param == "kernel":
+        from interlace.engine_ext.native import cpu_matmul
+
+        if cpu_matmul.load() is None:
+            pytest.skip("no C++ compiler: no nucleus kernel")
+    monkeypatch.setattr(sampler, "USE_KERNEL", request.param == "kernel")
+    return request.param
+
+
 def gen(rng=None, **kw):
     """A Generation as the engine makes it: a sampled row gets a generator
     seeded from its seed (the engine uses os.urandom without one; tests pass
@@ -117,6 +131,7 @@ def test_rows_reaching_past_k_cap_stay_exact(monkeypatch, name, vocab):
     vocab 8; by grouped then plain topk at 64); each still follows its exact
     distribution, not one cut at K_CAP."""
     monkeypatch.setattr(sampler, "K_CAP", 2)
+    monkeypatch.setattr(sampler, "USE_KERNEL", False)  # K_CAP is the torch path's
     widths = []
     topk = sampler._topk
     monkeypatch.setattr(sampler, "_topk", lambda x, k: widths.append(k) or topk(x, k))
@@ -270,3 +285,24 @@ def test_benchmark_runs(capsys):
     assert bench.main(["--batches", "2", "--vocab", "2048", "--steps", "1", "--cases", "greedy", "top-p 0.9"]) == 0
     out = capsys.readouterr().out
     assert "| top-p 0.9 |" in out and "machine: " in out
+
+
+def test_nucleus_edge_inside_one_histogram_bin(sampler_path):
+    """Seven tokens within 0.03 nats of each other (one bin of the kernel's histogram, 1/16 nat wide)
+    and the top-p edge among them: the kernel sorts that bin's tokens to cut it exactly."""
+    logits = torch.tensor([1.00, 1.005, 1.01, 1.015, 1.02, 1.025, 1.03, -2.0, -3.0])
+    top_p = 0.5
+    p = torch.softmax(logits.double(), 0)
+    order = sorted(range(len(logits)), key=lambda i: -float(logits[i]))
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += float(p[i])
+    assert 3 <= len(kept) <= 5  # the edge falls inside the close group
+    probs = [float(p[i]) / mass if i in kept else 0.0 for i in range(len(logits))]
+    rng = torch.Generator().manual_seed(11)
+    gens = [gen(rng, temperature=1.0, top_p=top_p) for _ in range(N)]
+    toks = [t for t, _ in sample(logits.repeat(N, 1), gens)]
+    assert_fits(toks, probs)

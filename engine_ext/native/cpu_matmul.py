@@ -28,6 +28,9 @@ second set of spinning threads).
 ``q8_linear(x, tiles, n)``: int8 codes (Q8_0; a 4-bit part fused into a Q8_0
 matrix has codes -8..7 and an offset).  ``x`` is float32 ``[M, K]``.
 
+``sample_top_p``: the sampler's kernel for rows without top-k (see
+:mod:`.sampler`).
+
 The fused ops (``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_store``)
 replace the ~40 eager torch ops around a layer's four matmuls -- ~8 ms of
 dispatch per token at batch 1 -- for float32 engines with quantized weights
@@ -63,6 +66,8 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -324,6 +329,114 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+// ---------------------------------------------------------------- sampling without a sort
+// e^x for x <= 0, vectorizable (2^n 2^f, 2^f by its Taylor series to degree 7: relative error < 1e-8)
+static inline float exp_le0(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float t = x * 1.4426950408889634f, n = std::floor(t + 0.5f), f = t - n;
+  float p = 1.5252733804059840e-5f;
+  p = p * f + 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const int32_t e = ((int32_t)n + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &e, 4);
+  return p * two_n;
+}
+
+constexpr int BINS_PER_NAT = 16, NBINS = 1024;  // log-probability gaps of 0..64 nats, the last bin open
+
+// One token per row from softmax(logits / T) restricted to its top-p nucleus, by inverse CDF with the
+// row's uniform u: exact, and no sort of the vocabulary.  The nucleus (the fewest most likely tokens
+// whose mass reaches top_p) is found from a histogram of the tokens' log-probability gaps below the
+// best: every bin before the one where the mass crosses top_p is kept whole, and only that bin's tokens
+// are sorted.  The draw walks the kept tokens in vocabulary order.  -1: nothing to sample (NaN, +inf,
+// or every logit -inf).
+static int64_t sample_row(const float* x, int64_t V, float T, float top_p, double u,
+                          std::vector<std::pair<float, int64_t>>& bin, std::vector<float>& wbuf, std::vector<int16_t>& bbuf) {
+  float xmax = -INFINITY;
+  int bad = 0;
+#pragma omp simd reduction(max : xmax) reduction(| : bad)
+  for (int64_t i = 0; i < V; i++) {
+    bad |= (x[i] != x[i]) | (x[i] == INFINITY);
+    xmax = x[i] > xmax ? x[i] : xmax;
+  }
+  if (bad || xmax == -INFINITY) return -1;
+  const float inv = 1.f / T;
+  const bool nucleus = top_p < 1.f;
+  wbuf.resize(V);
+  bbuf.resize(V);
+  float* w = wbuf.data();
+  int16_t* bn = bbuf.data();
+  // each token's weight e^((x - max) / T) and its gap's bin, once (-inf logits: weight 0, no bin)
+#pragma omp simd
+  for (int64_t i = 0; i < V; i++) {
+    const float g = (xmax - x[i]) * inv, b = g * BINS_PER_NAT;
+    w[i] = x[i] == -INFINITY ? 0.f : exp_le0(-g);
+    bn[i] = x[i] == -INFINITY ? (int16_t)NBINS : (int16_t)(b >= NBINS - 1 ? NBINS - 1 : (int)b);
+  }
+  double mass[NBINS + 1] = {};
+  for (int64_t i = 0; i < V; i++) mass[bn[i]] += w[i];
+  double Z = 0.0;
+  for (int b = 0; b < NBINS; b++) Z += mass[b];
+  int cut = NBINS;            // bins before it are kept whole
+  float w_last = 0.f;         // in bin `cut`: tokens above w_last, and at w_last those up to index i_last
+  int64_t i_last = -1;
+  double kept = Z;
+  if (nucleus) {
+    const double target = (double)top_p * Z;
+    double cum = 0.0;
+    int b = 0;
+    while (b < NBINS - 1 && cum + mass[b] < target) cum += mass[b++];
+    cut = b;
+    bin.clear();
+    for (int64_t i = 0; i < V; i++)
+      if (bn[i] == b) bin.emplace_back(w[i], i);
+    std::sort(bin.begin(), bin.end(), [](const auto& a, const auto& c) {
+      return a.first > c.first || (a.first == c.first && a.second < c.second);
+    });
+    for (const auto& [wi, i] : bin) {
+      cum += wi;
+      w_last = wi;
+      i_last = i;
+      if (cum >= target) break;
+    }
+    kept = cum;
+  }
+  const double goal = u * kept;
+  double cum = 0.0;
+  int64_t last = -1;
+  for (int64_t i = 0; i < V; i++) {
+    if (bn[i] > cut || (bn[i] == cut && (w[i] < w_last || (w[i] == w_last && i > i_last)))) continue;
+    cum += w[i];
+    last = i;
+    if (cum > goal) return i;
+  }
+  return last;  // u * kept rounded past the walk's sum
+}
+
+at::Tensor sample_top_p(const at::Tensor& logits, const at::Tensor& temp, const at::Tensor& top_p, const at::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(), "logits: float32 [R, V]");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(temp.numel() == R && top_p.numel() == R && u.numel() == R && temp.scalar_type() == at::kFloat
+              && top_p.scalar_type() == at::kFloat && u.scalar_type() == at::kDouble, "temp, top_p: float32 [R]; u: float64 [R]");
+  at::Tensor tok = at::empty({R}, logits.options().dtype(at::kLong));
+  const float *x = logits.data_ptr<float>(), *tp = temp.contiguous().data_ptr<float>(), *pp = top_p.contiguous().data_ptr<float>();
+  const double* up = u.contiguous().data_ptr<double>();
+  int64_t* out = tok.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t a, int64_t b) {
+    std::vector<std::pair<float, int64_t>> bin;
+    std::vector<float> wbuf;
+    std::vector<int16_t> bbuf;
+    for (int64_t r = a; r < b; r++) out[r] = sample_row(x + r * V, V, tp[r], pp[r], up[r], bin, wbuf, bbuf);
+  });
+  return tok;
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) { return linear<true>(x, tiles, n); }
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t n) { return linear<false>(x, tiles, n); }
 
@@ -333,6 +446,7 @@ TORCH_LIBRARY(interlace_gguf, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor w, float eps) -> Tensor", &add_rms_norm_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("sample_top_p(Tensor logits, Tensor temp, Tensor top_p, Tensor u) -> Tensor", &sample_top_p);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, int H, int Hkv, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slots) -> Tensor", &rope_store);
 }

@@ -151,9 +151,21 @@ def cpu_has_native_bf16() -> bool:
 
 
 def _attention_kernel(attention: str, device: torch.device) -> Optional[Any]:
-    """The decode-attention kernel ``attention`` asks for (see :class:`NativeEngine`), or None."""
-    if attention not in ("torch", "kernel", "auto"):
-        raise ValueError(f"attention must be 'torch', 'kernel' or 'auto', not {attention!r}")
+    """The attention kernels ``attention`` asks for (see :class:`NativeEngine`), or None (torch)."""
+    if attention not in ("torch", "kernel", "triton", "auto"):
+        raise ValueError(f"attention must be 'torch', 'kernel', 'triton' or 'auto', not {attention!r}")
+    if attention == "triton" or (attention == "auto" and device.type == "cuda"):
+        from . import kernels
+
+        if kernels.available():
+            from .kernels.attention import TritonAttention
+
+            return TritonAttention()
+        if attention == "triton":
+            raise ValueError("attention: triton needs the triton package (pip install triton)")
+        log.warning("attention: auto on %s: triton is not installed; attention gathers the cache with torch",
+                    device)
+        return None
     if attention == "torch" or device.type != "cpu":
         return None
     from . import cpu_attention
@@ -190,8 +202,11 @@ class NativeEngine:
         ``attention``: how decode attention reads the KV cache: ``torch``
         (the default: gathers the blocks; the reference numerics), ``kernel``
         (the compiled CPU kernel reading them in place, :mod:`.cpu_attention`;
-        an error where it cannot be built) or ``auto`` (the kernel on a CPU
-        where it builds, else torch)."""
+        an error where it cannot be built), ``triton`` (KV store, chunked
+        prefill and decode attention as Triton kernels, :mod:`.kernels`; on a
+        machine without CUDA under Triton's interpreter: for tests) or
+        ``auto`` (the CPU kernel on a CPU where it builds, Triton on a GPU
+        where it is installed, else torch)."""
         if host_pool_tokens is not None and (not isinstance(host_pool_tokens, int) or host_pool_tokens < 0):
             raise ValueError(f"host_pool_tokens must be a non-negative integer, got {host_pool_tokens!r}")
         self.model = model
@@ -478,6 +493,10 @@ class NativeEngine:
         try:
             self.runner = ModelRunner(*runner_args)
             self.swap = Swapper(self.blocks, self.runner.kv, host_blocks)
+            if self.device.type == "cpu":  # the sampler's kernel: built now (once per CPU), not at a first request
+                from . import cpu_matmul
+
+                cpu_matmul.load()
         except BaseException as e:
             started.set_exception(e)
             return

@@ -19,11 +19,14 @@ class ModelRunner:
         """``attention_kernel``: a :class:`~.cpu_attention.PagedDecodeKernel` for decode attention
         (reads the blocks in place), or None for the torch path (the gather; the reference numerics)."""
         cfg = model.cfg
+        triton = getattr(attention_kernel, "name", None) == "triton"
         supported = attention_kernel is not None and attention_kernel.supports(
-            kv_dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim) and device.type == "cpu"
+            kv_dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim) and (device.type == "cpu" or triton)
         self.attention_kernel = attention_kernel if supported else None
+        self.triton = self.attention_kernel if triton and supported else None
         self.model = model
-        self.fused = _fused_ops(model, device)
+        # the fused ops write the cache themselves, by the CPU layout: not with the Triton attention
+        self.fused = _fused_ops(model, device) if self.triton is None else None
         self.variants = variants  # several fine-tuned variants in one batch (BlockLLM), or None
         self.block_size = block_size
         self.device = device
@@ -49,6 +52,7 @@ class ModelRunner:
         prefills: List[PrefillSpan] = []
         decode_rows: List[int] = []
         decode_chunks = []
+        prefill_chunks: List[int] = []
         logit_rows: List[int] = []
         logit_chunks: List[int] = []
         bs = self.block_size
@@ -70,6 +74,7 @@ class ModelRunner:
                 decode_chunks.append(ch)
             else:
                 nb = -(-end // bs)
+                prefill_chunks.append(ci)
                 prefills.append(PrefillSpan(row, ch.num, ch.start,
                                             torch.tensor(blocks[:nb], dtype=torch.long, device=self.device),
                                             self._prefill_mask(ch.start, end)))
@@ -83,7 +88,14 @@ class ModelRunner:
             meta.variants = self.variants.batch([batch.chunks[ci].ctx.variant for ci in order
                                                  for _ in range(batch.chunks[ci].num)])
             meta.fused = None
-        if decode_rows and self.attention_kernel is not None:
+        if self.triton is not None:
+            meta.triton = self.triton
+            meta.triton_args = self.triton.step_args(
+                [(p.row_start, p.num_new, p.start_pos, batch.chunks[ci].ctx.table.blocks)
+                 for p, ci in zip(prefills, prefill_chunks)],
+                [(r, ch.start + 1, ch.ctx.table.blocks) for r, ch in zip(decode_rows, decode_chunks)],
+                bs, self.window or 0, dev)
+        elif decode_rows and self.attention_kernel is not None:
             tables: List[int] = []
             starts: List[int] = []
             for ch in decode_chunks:

@@ -1,11 +1,10 @@
 """Quantized weights: a GGUF's tensors run as shipped, and int8 from float weights.
 
 ``weights: as-shipped`` loads a GGUF's quantized tensors without
-dequantizing them to a float checkpoint: Q4_0, Q4_1 and Q8_0 matrices run as
-weight-only int4 matmuls (``torch.ops.aten._weight_int4pack_mm_for_cpu``,
-group size 32) -- or, on x86 CPUs without AVX-512, where PyTorch's int4
-kernel is a scalar loop, as fp16 weights through fbgemm (:func:`int4_kernel`);
-other quantized types (Q4_K, Q6_K, ...) are dequantized to dense weights,
+dequantizing them to a float checkpoint: Q4_0, Q4_1 and Q8_0 matrices run in
+their blocks through Interlace's own kernel (:mod:`.cpu_matmul`) at small
+batches and as fp16 weights through fbgemm's GEMM at larger ones, or through
+aten's int4 kernel (:func:`int4_kernel` says which and why); other quantized types (Q4_K, Q6_K, ...) are dequantized to dense weights,
 with one log line naming them; F32/F16/BF16 tensors load as they are.
 ``weights: int8`` quantizes a model's float weights per output channel
 (``torch._weight_int8pack_mm``).  docs/quantization.md has the measured
@@ -27,6 +26,10 @@ row (along the input dimension), exactly one aten group:
   the scales.  (A per-output-channel int8 requantization would take 1 byte
   per weight but add a second rounding: ``bench/quant_quality.py``
   ``--q8-check`` measures its error.)
+
+These int4 groups are the loader's one representation; the gguf kernel's
+blocks are made back from them (:func:`gguf_blocks`: a Q8_0 block's codes are
+``16*hi + lo - 128``).
 
 A fused projection (q/k/v, gate/up) stays one matmul: its parts' packed rows
 are concatenated.  Q4_0 and Q4_1 parts mix freely; a part in Q8_0 puts the

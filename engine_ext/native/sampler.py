@@ -20,6 +20,16 @@ a language model's logits -- races those tokens among themselves.  Either
 way the draw is exact; drawing noise for all V tokens of every row would
 cost more than the rest of the sampler together.
 
+Rows without top-k (temperature alone, top-p) go through a compiled kernel
+instead where it is built (``sample_top_p`` in :mod:`.cpu_matmul`): per row
+one pass for the weights e^((x - max) / T) and a histogram of their
+log-probability gaps, the nucleus found from the histogram with a sort of
+only the bin where the mass crosses top_p, and one uniform number drawn by
+inverse CDF over the kept tokens in vocabulary order -- exact, and no sort
+of the vocabulary (top-p at batch 32 over 49 k tokens: 13 ms with the
+race, 3.7 ms; ``python -m interlace.bench.sampler``).  Top-k rows keep the
+race, which needs only their k best.
+
 Each row draws its noise from its own ``Generation.rng`` (the engine seeds it
 from ``seed``, or from os.urandom without one), one number per candidate it
 keeps, in rank order: a seeded request's tokens depend on its seed and its
@@ -68,8 +78,19 @@ def sample(logits: torch.Tensor, gens: Sequence[Generation]) -> List[Tuple[int, 
     tok = torch.zeros(len(gens), dtype=torch.long)
     if greedy:
         tok[greedy] = _rows(x, greedy).argmax(dim=-1)
+    ops = _nucleus_kernel() if drawn else None
+    V = x.shape[1]
+    nucleus = [i for i in drawn if not 0 < gens[i].sampling.top_k < V] if ops is not None else []
+    if nucleus:  # no top-k: the compiled kernel, one uniform per row (see the module docstring)
+        sps = [gens[i].sampling for i in nucleus]
+        u = torch.cat([torch.rand(1, generator=gens[i].rng, dtype=torch.float64) for i in nucleus])
+        tok[nucleus] = ops.sample_top_p(_rows(x, nucleus).contiguous(), torch.tensor([sp.temperature for sp in sps]),
+                                        torch.tensor([sp.top_p for sp in sps]), u)
+        done = set(nucleus)
+        drawn = [i for i in drawn if i not in done]
     if drawn:
         tok[drawn] = _draw(_rows(x, drawn), [gens[i] for i in drawn])
+    if nucleus or drawn:
         for i in (tok < 0).nonzero()[:, 0].tolist():
             out[i] = (-1, ValueError("no token to sample: the logits are all -inf, or NaN or +inf"))
     lp_rows = [i for i in live if gens[i].sampling.logprobs and out[i] is None]
@@ -80,6 +101,19 @@ def sample(logits: torch.Tensor, gens: Sequence[Generation]) -> List[Tuple[int, 
         lps = dict(zip(lp_rows, lp.tolist()))
     toks = tok.tolist()
     return [o if o is not None else (toks[i], lps.get(i)) for i, o in enumerate(out)]
+
+
+#: rows without top-k go through the compiled nucleus kernel where it is built (tests turn it off to
+#: check the torch path, which runs wherever the kernel cannot be built)
+USE_KERNEL = True
+
+
+def _nucleus_kernel():
+    if not USE_KERNEL:
+        return None
+    from . import cpu_matmul
+
+    return cpu_matmul.load()
 
 
 def _rows(x: torch.Tensor, idx: List[int]) -> torch.Tensor:

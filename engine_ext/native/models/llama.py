@@ -120,6 +120,9 @@ class AttentionMetadata:
     window: int = 0                               # sliding window (0: none), for the kernel
     # rows of several model variants (BlockLLM, ``native/block_sharing.py``): which weights each row uses
     variants: Optional[Any] = None                # a block_sharing.VariantBatch, or None: the base model only
+    # attention through the Triton kernels (``native/kernels/attention.py``) and this step's arguments, or None
+    triton: Optional[Any] = None                  # a kernels.attention.TritonAttention
+    triton_args: Optional[Any] = None             # its TritonStepArgs
     # the fused float32 ops of ``native/cpu_matmul.py`` (quantized weights on the CPU), or None: eager torch
     fused: Optional[Any] = None
     cos: Optional[torch.Tensor] = None            # [T, head_dim] float32, for the fused rotary embedding
@@ -210,8 +213,16 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = _norm(self.q_norm, q, meta), _norm(self.k_norm, k, meta)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            k_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_blocks.dtype))
-            v_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_blocks.dtype))
+            if meta.triton is not None:
+                meta.triton.store(k, v, k_blocks, v_blocks, meta.slot_mapping)
+            else:
+                k_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping,
+                                                                k.transpose(0, 1).to(k_blocks.dtype))
+                v_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping,
+                                                                v.transpose(0, 1).to(v_blocks.dtype))
+        if meta.triton is not None:
+            out = meta.triton.attend(q, k_blocks, v_blocks, meta.triton_args, self.scale)
+            return _linear(self.o, out.reshape(T, self.h * self.d), meta)
 
         out = torch.empty_like(q)
         for p in meta.prefills:
