@@ -440,3 +440,17 @@ def test_cli_generate_takes_weights():
     assert build_parser().parse_args(["generate", "hi", "--weights", "as-shipped"]).weights == "as-shipped"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "--weights", "q4"])
+
+
+def test_auto_dtype_with_quantized_weights_computes_in_float32(monkeypatch):
+    """Quantized matmuls take float32 activations whatever the dtype: ``auto`` stays float32 for
+    them even where it would pick bfloat16 for dense weights (a CPU with native bfloat16)."""
+    from interlace.engine_ext.native import engine as E
+
+    monkeypatch.setattr(E, "cpu_has_native_bf16", lambda: True)
+    cpu = torch.device("cpu")
+    assert E.resolve_weights(None, "auto", cpu) == torch.bfloat16  # dense: bfloat16 where it is native
+    for w in ("as-shipped", "int8"):
+        assert E.resolve_weights(w, "auto", cpu) == torch.float32
+        assert E.resolve_weights(w, None, cpu) == torch.float32
+        assert E.resolve_weights(w, "bfloat16", cpu) == torch.bfloat16  # asked for explicitly

@@ -96,8 +96,11 @@ def resolve_weights(weights: Optional[str], dtype: Optional[str], device: torch.
     ``bfloat16``, dense in that dtype, which is then the compute dtype too
     (``dtype`` unset or ``auto``; another ``dtype`` is a contradiction, an
     error); ``int8`` / ``as-shipped``, quantized (:mod:`.quant`), with compute
-    in ``dtype`` (default float32; ``auto`` as :func:`resolve_dtype`), on
-    the CPU only."""
+    in ``dtype`` (default float32), on the CPU only.  ``auto`` with quantized
+    weights is float32: their matmuls run on float32 activations whatever
+    the dtype, so bfloat16 compute only adds conversions and loses the fused
+    decode ops (measured on an AVX512-BF16 CPU: 72 against 98 tokens/s at
+    batch 1, docs/benchmarks.md)."""
     if weights is None:
         return resolve_dtype(dtype or "float32", device)
     if weights not in WEIGHTS:
@@ -110,7 +113,7 @@ def resolve_weights(weights: Optional[str], dtype: Optional[str], device: torch.
     if device.type != "cpu":
         raise ValueError(f"weights: {weights} runs on the CPU only (aten's and fbgemm's CPU kernels), "
                          f"not on {device.type}")
-    return resolve_dtype(dtype or "float32", device)
+    return resolve_dtype("float32" if dtype in (None, "auto") else dtype, device)
 
 
 def _in_passing_thread(fn: Callable[[], Any]) -> Any:
