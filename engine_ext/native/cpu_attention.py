@@ -40,6 +40,7 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+""" + cbuild.EXP_LE0 + r"""
 
 #define MAX_G 16
 #define MAX_D 256
@@ -48,26 +49,6 @@ static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)x << 16;
     return v.f;
-}
-
-/* e^x for x <= 0 (a score minus the running maximum): 2^(x log2 e) split into 2^n 2^f, |f| <= 1/2,
-   2^f by its Taylor series to degree 7 (relative error < 1e-8, below float32's rounding).  Unlike
-   expf it vectorizes: the softmax takes one vector pass per tile of keys, not a libm call per key. */
-static inline float exp_le0(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float t = x * 1.4426950408889634f, n = floorf(t + 0.5f), f = t - n;
-    float p = 1.5252733804059840e-5f;
-    p = p * f + 1.5403530393381606e-4f;
-    p = p * f + 1.3333558146428443e-3f;
-    p = p * f + 9.6181291076284772e-3f;
-    p = p * f + 5.5504108664821580e-2f;
-    p = p * f + 2.4022650695910071e-1f;
-    p = p * f + 6.9314718055994531e-1f;
-    p = p * f + 1.0f;
-    const int32_t e = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, 4);
-    return p * two_n;
 }
 
 #define TILE 32  /* keys scored together: one max, one rescale of the accumulators, one vector exp */

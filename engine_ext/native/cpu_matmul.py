@@ -330,24 +330,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 }
 
 // ---------------------------------------------------------------- sampling without a sort
-// e^x for x <= 0, vectorizable (2^n 2^f, 2^f by its Taylor series to degree 7: relative error < 1e-8)
-static inline float exp_le0(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float t = x * 1.4426950408889634f, n = std::floor(t + 0.5f), f = t - n;
-  float p = 1.5252733804059840e-5f;
-  p = p * f + 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
-  const int32_t e = ((int32_t)n + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &e, 4);
-  return p * two_n;
-}
-
+""" + cbuild.EXP_LE0 + r"""
 constexpr int BINS_PER_NAT = 16, NBINS = 1024;  // log-probability gaps of 0..64 nats, the last bin open
 
 // One token per row from softmax(logits / T) restricted to its top-p nucleus, by inverse CDF with the
