@@ -464,7 +464,12 @@ def load(cache_dir: Optional[Path] = None) -> Optional[object]:
             # torch's version in the key: the library links against its C++ ABI
             target = cbuild.target("gguf_matmul", SOURCE, [*command[1:], *libs, torch.__version__], cache_dir)
             if not target.exists():
+                import time
+
+                t0 = time.perf_counter()
                 cbuild.build(SOURCE, "cpp", command, target, libs)
+                log.info("built the CPU kernels (GGUF matmuls, fused decode ops, sampler) for this CPU in %.1f s: %s",
+                         time.perf_counter() - t0, target)
             torch.ops.load_library(str(target))
             ops = torch.ops.interlace_gguf
         except (OSError, RuntimeError, cbuild.BuildError) as e:
