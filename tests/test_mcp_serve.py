@@ -106,7 +106,13 @@ def text(result) -> str:
 
 def server_process(marker: str) -> psutil.Process:
     """Our child running ``mcp serve`` (``marker`` is in its command line)."""
-    found = [p for p in psutil.Process().children() if marker in " ".join(p.cmdline())]
+    found = []
+    for p in psutil.Process().children():
+        try:
+            if marker in " ".join(p.cmdline()):
+                found.append(p)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue  # another child exiting at this moment (not yet reaped): not the live server
     assert len(found) == 1, found
     return found[0]
 
