@@ -16,8 +16,10 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device, variants: Optional[VariantSet] = None,
                  attention_kernel: Optional[Any] = None):
-        """``attention_kernel``: a :class:`~.cpu_attention.PagedDecodeKernel` for decode attention
-        (reads the blocks in place), or None for the torch path (the gather; the reference numerics)."""
+        """``attention_kernel``: a :class:`~.cpu_attention.PagedDecodeKernel` for decode attention on
+        the CPU (reads the blocks in place), a :class:`~.kernels.attention.TritonAttention` for the KV
+        store, prefill and decode attention as Triton kernels (any device), or None for the torch path
+        (the gather; the reference numerics)."""
         cfg = model.cfg
         triton = getattr(attention_kernel, "name", None) == "triton"
         supported = attention_kernel is not None and attention_kernel.supports(
