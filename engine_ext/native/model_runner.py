@@ -79,7 +79,8 @@ class ModelRunner:
                 prefill_chunks.append(ci)
                 prefills.append(PrefillSpan(row, ch.num, ch.start,
                                             torch.tensor(blocks[:nb], dtype=torch.long, device=self.device),
-                                            self._prefill_mask(ch.start, end)))
+                                            # the Triton kernels mask by position themselves
+                                            None if self.triton is not None else self._prefill_mask(ch.start, end)))
             if ch.reaches_end:
                 logit_rows.append(row + ch.num - 1)
                 logit_chunks.append(ci)
