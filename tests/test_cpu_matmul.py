@@ -50,7 +50,7 @@ def bound(x: torch.Tensor, w: torch.Tensor):
 def test_pack_holds_exactly_the_weights(four_bit, n, k):
     codes, d, m = blocks(n, k, four_bit, seed=n + k)
     tiles = cpu_matmul.pack(codes, d, m)
-    assert tiles.shape == (-(-n // 8), k // 32 * (32 + 8 * (16 if four_bit else 32)))
+    assert tiles.shape == (-(-n // 16), k // 32 * (64 + 16 * (16 if four_bit else 32)))
     assert torch.equal(cpu_matmul.dequantize(tiles, four_bit, n, k), reference(codes, d, m))
 
 
@@ -66,7 +66,8 @@ def test_pack_rejects_what_the_kernel_cannot_hold():
 
 @needs_kernel
 @pytest.mark.parametrize("four_bit", [True, False], ids=["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 2, 5])
+# rows: one register block (8 with AVX-512, 4 with AVX2) and less, more, several with a remainder
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 19])
 @pytest.mark.parametrize("n, k", [(13, 64), (48, 576)])
 def test_kernel_matches_the_weights_within_the_activation_rounding(four_bit, rows, n, k):
     ops = cpu_matmul.load()
@@ -163,7 +164,8 @@ def test_without_a_compiler_quantized_weights_take_the_fp16_path(tmp_path, monke
     with caplog.at_level(logging.WARNING):
         assert cpu_matmul.load() is None
         assert quant.int4_kernel() == ("fp16" if quant._has_fbgemm() else "aten")
+        groups = quant.Int4Groups(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1), torch.zeros(8, 1))
         with pytest.raises(ValueError, match="cannot be built"):
-            quant.Int4Linear(quant.Int4Groups(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1),
-                                              torch.zeros(8, 1)), kernel="auto")
+            quant.Int4Linear(groups, kernel="gguf")
+        assert quant.Int4Linear(groups, kernel="auto").kernel == quant.int4_kernel()
     assert "not available" in caplog.text

@@ -84,13 +84,13 @@ def test_int4_groups_reproduce_the_gguf_values(qtype):
 #: error of at most 2^-11 per weight, so 2^-11 plus the float32 share.
 #: ``gguf`` (engine_ext/native/cpu_matmul.py) rounds the activations per 32-group to int16 instead: its own
 #: bound, ``tests/test_cpu_matmul.py``'s, on top of the float32 share.
-KERNEL_TOL = {"aten": 1e-5, "fp16": 2 ** -11 + 1e-5, "gguf": 1e-5, "auto": 2 ** -11 + 1e-5}
+KERNEL_TOL = {"aten": 1e-5, "fp16": 2 ** -11 + 1e-5, "gguf": 1e-5}
 KERNELS = pytest.mark.parametrize("kernel", list(KERNEL_TOL))
 
 
 def kernel_bound(kernel: str, x: torch.Tensor, w: torch.Tensor):
     ref, tol = ref_matmul_bound(x, w, KERNEL_TOL[kernel])
-    if kernel == "gguf" or (kernel == "auto" and x.shape[0] <= Q.GGUF_MAX_ROWS):
+    if kernel == "gguf":
         step = x.double().abs().view(x.shape[0], -1, 32).amax(-1) / 32767 / 2
         tol = tol + step.repeat_interleave(32, dim=1) @ w.double().abs().T
     return ref, tol
@@ -129,7 +129,10 @@ def test_int4_kernel_choice(monkeypatch):
 
     # aten's int4 kernel is never the default: 20x slower than float32 at one row even on AVX-512
     gguf, fp16 = cpu_matmul.load() is not None, Q._has_fbgemm()
-    assert Q.int4_kernel() == ("auto" if gguf and fp16 else "gguf" if gguf else "fp16" if fp16 else "aten")
+    default = "gguf" if gguf else "fp16" if fp16 else "aten"
+    assert Q.int4_kernel() == default
+    monkeypatch.setenv("INTERLACE_INT4_KERNEL", "auto")  # the same as unset
+    assert Q.int4_kernel() == default
 
 
 @KERNELS
@@ -315,7 +318,7 @@ def test_as_shipped_logits_match_dense_model_of_same_weights(tiny_gguf, kernel, 
     assert scale > 1  # logits far from uniform: a wrong weight would show
     # gguf rounds each matmul's activations to int16 per 32-group (1/32767 of the group's largest):
     # below the fp16 kernel's weight rounding
-    atol = {"aten": 2e-4, "fp16": 2e-3, "gguf": 2e-3, "auto": 2e-3}[kernel] * scale
+    atol = {"aten": 2e-4, "fp16": 2e-3, "gguf": 2e-3}[kernel] * scale
     torch.testing.assert_close(got, ref, rtol=0, atol=atol)
     # and transformers' own GGUF loader (its dequantization and un-permutation) agrees on the prefill
     from transformers import AutoModelForCausalLM
@@ -326,7 +329,7 @@ def test_as_shipped_logits_match_dense_model_of_same_weights(tiny_gguf, kernel, 
     torch.testing.assert_close(got[0], hf_last, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "fp16"])
+@pytest.mark.parametrize("kernel", ["gguf", "fp16"])
 def test_fused_decode_ops_compute_what_the_eager_layers_do(tiny_gguf, kernel, monkeypatch):
     """Quantized float32 engines run each layer's residual adds, norms, rotary embedding, cache
     write and SiLU as fused ops (engine_ext/native/cpu_matmul.py); the same engine with them off
@@ -340,8 +343,7 @@ def test_fused_decode_ops_compute_what_the_eager_layers_do(tiny_gguf, kernel, mo
     with NativeEngine.load(path, weights="as-shipped", block_size=4, kv_cache_tokens=256) as eng:
         assert eng.runner.fused is not None
         fused = run(_logits(eng))
-    # a fresh engine (the same prompts in the first one would hit its prefix cache: a one-row
-    # recompute whose matmul takes the gguf kernel where the 12-row prefill took the fp16 GEMM)
+    # a fresh engine (the same prompts in the first one would hit its prefix cache)
     with NativeEngine.load(path, weights="as-shipped", block_size=4, kv_cache_tokens=256) as eng:
         eng.runner.fused = None
         eager = run(_logits(eng))

@@ -2,8 +2,8 @@
 
 ``weights: as-shipped`` loads a GGUF's quantized tensors without
 dequantizing them to a float checkpoint: Q4_0, Q4_1 and Q8_0 matrices run in
-their blocks through Interlace's own kernel (:mod:`.cpu_matmul`) at small
-batches and as fp16 weights through fbgemm's GEMM at larger ones, or through
+their blocks through Interlace's own kernel (:mod:`.cpu_matmul`), or as
+fp16 weights through fbgemm's GEMM where it cannot be built, or through
 aten's int4 kernel (:func:`int4_kernel` says which and why); other quantized types (Q4_K, Q6_K, ...) are dequantized to dense weights,
 with one log line naming them; F32/F16/BF16 tensors load as they are.
 ``weights: int8`` quantizes a model's float weights per output channel
@@ -323,39 +323,37 @@ def gguf_blocks(groups: Int4Groups) -> Tuple[torch.Tensor, torch.Tensor, Optiona
 
 # ===================================================================== modules
 KERNELS = ("auto", "gguf", "fp16", "aten")
-GGUF_MAX_ROWS = 6  # "auto": matmuls of more rows than this (prefill, larger decode batches) take the fp16 GEMM
 
 
 def int4_kernel() -> str:
     """The kernel quantized GGUF matrices run with on this CPU.
 
     ``gguf``: the GGUF blocks through Interlace's own kernel
-    (:mod:`.cpu_matmul`: 0.625 bytes per Q4 weight, integer dot products on
-    activations rounded to int8 per 32-group, as llama.cpp does).
+    (:mod:`.cpu_matmul`: 0.625 bytes per Q4 weight, integer multiply-adds on
+    activations rounded to int16 per 32-group), the fastest path measured
+    here at every number of rows, from batch-1 decode to prefill
+    (docs/quantization.md).
     ``fp16``: the GGUF's values (dequantized exactly, then rounded to fp16:
     a relative error of at most 2^-11 per weight, far below the
     quantization's own) through fbgemm's fp16-weight GEMM
     (``quantized::linear_dynamic_fp16``: fp32 activations and accumulation,
-    vectorized with AVX2 + F16C), 2 bytes per weight.
-    ``auto``: ``gguf`` for matmuls of up to :data:`GGUF_MAX_ROWS` rows --
-    decode at small batches, where reading the weights is the cost -- and
-    ``fp16`` for more (prefill, batch 8+), where its GEMM's arithmetic is
-    faster; both copies are held (2.6 bytes per weight).
+    vectorized with AVX2 + F16C), 2 bytes per weight: the fallback where the
+    gguf kernel cannot be built (no C++ compiler).
     ``aten``: ``_weight_int4pack_mm_for_cpu`` on the packed 4-bit codes,
     exact, but slow on every CPU measured (torch 2.13: 20x a float32 matmul
     at one row even with AVX-512; docs/quantization.md): for comparison only.
-    The default: ``auto`` where the gguf kernel builds (a C++ compiler) and
-    fbgemm exists, else whichever of ``gguf``/``fp16`` does, else ``aten``.
-    ``INTERLACE_INT4_KERNEL`` forces one."""
+    The default: ``gguf`` where it builds, else ``fp16`` where fbgemm
+    exists, else ``aten``.  ``INTERLACE_INT4_KERNEL`` forces one (``auto``:
+    the default)."""
     forced = os.environ.get("INTERLACE_INT4_KERNEL")
     if forced:
         if forced not in KERNELS:
             raise QuantError(f"INTERLACE_INT4_KERNEL must be one of {list(KERNELS)}, got {forced!r}")
-        return forced
+        if forced != "auto":
+            return forced
     from . import cpu_matmul
 
-    gguf, fp16 = cpu_matmul.load() is not None, _has_fbgemm()
-    return "auto" if gguf and fp16 else "gguf" if gguf else "fp16" if fp16 else "aten"
+    return "gguf" if cpu_matmul.load() is not None else "fp16" if _has_fbgemm() else "aten"
 
 
 def _has_fbgemm() -> bool:
@@ -376,23 +374,23 @@ class Int4Linear(nn.Module):
         n, kk = groups.q.shape
         if kk % GROUP:
             raise QuantError(f"input size {kk} is not a multiple of {GROUP}")
-        self.kernel = kernel or int4_kernel()
-        if self.kernel not in KERNELS:
-            raise QuantError(f"unknown int4 kernel {self.kernel!r}")
+        if kernel is not None and kernel not in KERNELS:
+            raise QuantError(f"unknown int4 kernel {kernel!r}")
+        self.kernel = int4_kernel() if kernel in (None, "auto") else kernel
         self.in_features, self.out_features, self.doubled = groups.in_features, n, groups.doubled
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._fp16 = None
-        if self.kernel in ("auto", "gguf"):
+        if self.kernel == "gguf":
             from . import cpu_matmul
 
             self._ops = cpu_matmul.load()
             if self._ops is None:
-                raise QuantError(f"the {self.kernel} kernel needs the gguf kernel, which cannot be built here "
+                raise QuantError("the gguf kernel cannot be built here: no C++ compiler? "
                                  "(see the log)")
             codes, d, m = gguf_blocks(groups)
             self._four_bit = codes.dtype == torch.uint8
             self.register_buffer("blocks", cpu_matmul.pack(codes, d, torch.zeros_like(d) if m is None else m))
-        if self.kernel in ("fp16", "auto"):
+        if self.kernel == "fp16":
             # the values (a doubled layout's two halves summed) as one fp16 matrix
             self._fp16 = torch.ops.quantized.linear_prepack_fp16(groups.dense().contiguous(), None)
         if self.kernel != "aten":
@@ -412,7 +410,7 @@ class Int4Linear(nn.Module):
         return _apply_rows(self, x, self._matmul)
 
     def _matmul(self, a: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "gguf" or (self.kernel == "auto" and a.shape[0] <= GGUF_MAX_ROWS):
+        if self.kernel == "gguf":
             return (self._ops.q4_linear if self._four_bit else self._ops.q8_linear)(a, self.blocks, self.out_features)
         if self._fp16 is not None:
             return torch.ops.quantized.linear_dynamic_fp16(a, self._fp16)
