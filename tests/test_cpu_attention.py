@@ -11,8 +11,8 @@ import torch
 
 from interlace.engine_ext.native import cpu_attention
 
-# every test but the no-compiler fallback needs the kernel built (a C compiler); CI has one
-needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compiler to build the kernel")
+# every test but the no-compiler fallback needs the kernel built (a C++ compiler); CI has one
+needs_kernel = pytest.mark.skipif(cpu_attention.load() is None, reason="no C++ compiler to build the kernel")
 
 
 def paged(lens, hkv, d, bs, num_blocks, seed, share_prefix=0):
@@ -86,22 +86,32 @@ def test_kernel_splits_work_over_threads_identically(monkeypatch):
     q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(3))
     args = (q, kc, vc, torch.tensor(tables), torch.tensor(starts), torch.tensor(lens), 0.125)
     old = torch.get_num_threads()
-    submitted = []
-    real_submit = cpu_attention.ThreadPoolExecutor.submit
-    monkeypatch.setattr(cpu_attention.ThreadPoolExecutor, "submit",
-                        lambda self, *a: submitted.append(1) or real_submit(self, *a))
     try:
         torch.set_num_threads(1)
         one = kernel(*args)
         torch.set_num_threads(3)
-        small = kernel(*args)  # 611 keys x 9 heads x 64: below PARALLEL_MIN_WORK, stays in this thread
-        assert not submitted
+        small = kernel(*args)  # 611 keys x 9 heads x 64: below PARALLEL_MIN_WORK, in this thread
         monkeypatch.setattr(cpu_attention, "PARALLEL_MIN_WORK", 0)
-        three = kernel(*args)
-        assert len(submitted) == 2  # two of three shares went to pool threads
+        three = kernel(*args)  # the 39 (context, head) items split over three threads
     finally:
         torch.set_num_threads(old)
     assert torch.equal(one, three) and torch.equal(one, small)  # each (context, head): one thread, the same way
+
+
+@needs_kernel
+def test_kernel_rejects_what_it_cannot_compute():
+    kernel = cpu_attention.load()
+    kc, vc, tables, starts = paged([5, 9], 2, 64, 4, 16, seed=1)
+    q = torch.randn(2, 4, 64)
+    args = [torch.tensor(tables), torch.tensor(starts), torch.tensor([5, 9])]
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(q.double(), kc, vc, *args, 0.125)
+    with pytest.raises(RuntimeError, match="alike"):
+        kernel(q, kc, vc.bfloat16(), *args, 0.125)
+    with pytest.raises(RuntimeError, match="head shape"):
+        kernel(torch.randn(2, 3, 64), kc, vc, *args, 0.125)  # 3 query heads over 2 KV heads
+    with pytest.raises(RuntimeError, match="one per context"):
+        kernel(q, kc, vc, args[0], args[1], torch.tensor([5]), 0.125)
 
 
 @needs_kernel
@@ -134,7 +144,7 @@ def test_engine_with_the_kernel_generates_what_the_torch_path_does(smol_dir):
 def test_without_a_compiler_auto_falls_back_and_kernel_is_an_error(tmp_path, monkeypatch, caplog):
     from interlace.engine_ext.native.engine import _attention_kernel
 
-    monkeypatch.setenv("CC", "/no/such/compiler")
+    monkeypatch.setenv("CXX", "/no/such/compiler")
     monkeypatch.setattr(cpu_attention, "_loaded", {})
     monkeypatch.setattr(cpu_attention, "FLAGS", (*cpu_attention.FLAGS, "-DFRESH"))  # not the cached build
     monkeypatch.setattr("interlace.engine_ext.native.loader.cache_root", lambda: tmp_path)

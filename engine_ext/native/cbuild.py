@@ -14,12 +14,16 @@ to torch and log one line.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
+
+log = logging.getLogger(__name__)
 
 
 #: e^x for x <= 0, shared by the C and C++ kernels' sources (softmax weights below their maximum)
@@ -97,3 +101,33 @@ def build(source: str, suffix: str, command: Sequence[str], out: Path, libs: Seq
         if done.returncode != 0:
             raise BuildError(f"{command[0]} failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, out)  # atomic: a concurrent loader sees the whole file or none
+
+
+def torch_command() -> Tuple[List[str], List[str]]:
+    """The C++ compiler command for a torch extension built for this CPU (this torch's headers,
+    ``-march=native``, OpenMP: ``at::parallel_for`` runs on torch's own pool) and its libraries."""
+    import torch
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
+    return [compiler(cplusplus=True), *flags], libs
+
+
+def load_torch_ops(name: str, source: str, command: Sequence[str], libs: Sequence[str],
+                   cache_dir: Optional[Path], what: str) -> Path:
+    """Build the torch extension ``source`` (once per source, command, CPU and torch version: it
+    links against torch's C++ ABI) and load it, registering its ``TORCH_LIBRARY`` ops under
+    ``torch.ops``; one INFO line when it had to be compiled.  Raises :class:`BuildError` (or
+    OSError/RuntimeError from loading)."""
+    import torch
+
+    out = target(name, source, [*command[1:], *libs, torch.__version__], cache_dir)
+    if not out.exists():
+        t0 = time.perf_counter()
+        build(source, "cpp", command, out, libs)
+        log.info("built %s for this CPU in %.1f s: %s", what, time.perf_counter() - t0, out)
+    torch.ops.load_library(str(out))
+    return out

@@ -531,34 +531,19 @@ _loaded: dict = {}
 
 def _command() -> Tuple[list, list]:
     """The compiler command (against this torch's headers, for this CPU) and the libraries."""
-    from torch.utils import cpp_extension
-
-    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
-    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
-    return [cbuild.compiler(cplusplus=True), *flags], libs
+    return cbuild.torch_command()
 
 
 def load(cache_dir: Optional[Path] = None) -> Optional[object]:
-    """``torch.ops.interlace_gguf`` (``q4_linear``, ``q8_linear``), built on first use and
-    cached; ``None`` where it cannot be built (one log line says why)."""
+    """``torch.ops.interlace_gguf`` (``q4_linear``, ``q8_linear``, the fused ops, ``sample_top_p``),
+    built on first use and cached; ``None`` where it cannot be built (one log line says why)."""
     with _lock:
         if "ops" in _loaded:
             return _loaded["ops"]
         ops = None
         try:
-            command, libs = _command()
-            # torch's version in the key: the library links against its C++ ABI
-            target = cbuild.target("gguf_matmul", SOURCE, [*command[1:], *libs, torch.__version__], cache_dir)
-            if not target.exists():
-                import time
-
-                t0 = time.perf_counter()
-                cbuild.build(SOURCE, "cpp", command, target, libs)
-                log.info("built the CPU kernels (GGUF matmuls, fused decode ops, sampler) for this CPU in %.1f s: %s",
-                         time.perf_counter() - t0, target)
-            torch.ops.load_library(str(target))
+            cbuild.load_torch_ops("gguf_matmul", SOURCE, *_command(), cache_dir,
+                                  "the CPU kernels (GGUF matmuls, fused decode ops, sampler)")
             ops = torch.ops.interlace_gguf
         except (OSError, RuntimeError, cbuild.BuildError) as e:
             log.warning("the GGUF matmul kernel is not available (%s); quantized weights run through "

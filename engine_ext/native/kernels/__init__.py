@@ -15,7 +15,7 @@ What lives here (each launcher is a plain function taking torch tensors):
 * :mod:`.reference` -- plain-PyTorch versions of each, for the tests.
 
 Triton is needed only for these modules.  The CPU path (torch attention in
-``models/llama.py`` or the C kernel in ``cpu_attention.py``) never imports
+``models/llama.py`` or the C++ kernel in ``cpu_attention.py``) never imports
 this package, so the engine runs without Triton installed; :func:`available`
 says whether the kernels can be used.
 
