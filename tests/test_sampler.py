@@ -306,3 +306,38 @@ def test_nucleus_edge_inside_one_histogram_bin(sampler_path):
     gens = [gen(rng, temperature=1.0, top_p=top_p) for _ in range(N)]
     toks = [t for t, _ in sample(logits.repeat(N, 1), gens)]
     assert_fits(toks, probs)
+
+
+@pytest.mark.parametrize("vocab", [1000, 2053])  # the kernel's draw walks chunks of 512 tokens
+def test_nucleus_kernel_draws_the_inverse_cdf_token(vocab):
+    """The kernel's token for uniform u is the first kept token, in vocabulary order, at which the
+    cumulative weight of the kept tokens passes u times their total: checked against a float64
+    reference for uniforms spread over [0, 1) -- in the first, a middle and the last chunk, past
+    chunks with nothing kept (the -inf run), and at u close to 1."""
+    from interlace.engine_ext.native import cpu_matmul
+
+    ops = cpu_matmul.load()
+    if ops is None:
+        pytest.skip("no C++ compiler: no nucleus kernel (the torch path is tested above)")
+    g = torch.Generator().manual_seed(vocab)
+    x = 2 * torch.randn(vocab, generator=g)
+    x[600:900] = float("-inf")  # a run with nothing to draw, a whole chunk of it for the second size
+    x[torch.randint(0, vocab, (12,), generator=g)] += 6
+    us = torch.cat([torch.rand(200, generator=g, dtype=torch.float64), torch.tensor([0.0, 1 - 1e-12])])
+    for temp, top_p in ((1.0, 1.0), (0.7, 0.9), (1.3, 0.5)):
+        w = torch.exp((x.double() - x.max()) / temp)
+        order = sorted(range(vocab), key=lambda i: (-float(w[i]), i))
+        total, kept = float(w.sum()), torch.zeros(vocab, dtype=torch.bool)
+        cum = 0.0
+        for i in order:  # the fewest most likely tokens whose mass reaches top_p
+            if top_p < 1 and cum >= top_p * total:
+                break
+            kept[i] = True
+            cum += float(w[i])
+        cw = torch.where(kept, w, torch.zeros_like(w)).cumsum(0)
+        got = ops.sample_top_p(x.repeat(len(us), 1), torch.full((len(us),), temp), torch.full((len(us),), top_p), us)
+        want = torch.searchsorted(cw, us * cw[-1], right=True).clamp(max=vocab - 1)
+        close = ((cw[want] - us * cw[-1]).abs() < 1e-6 * cw[-1]) | ((cw[(want - 1).clamp(min=0)] - us * cw[-1]).abs()
+                                                                     < 1e-6 * cw[-1])
+        assert kept[got].all(), (temp, top_p)
+        assert ((got == want) | close).all(), (temp, top_p, got[got != want], want[got != want])
