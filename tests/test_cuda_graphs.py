@@ -222,7 +222,7 @@ def test_engine_with_decode_graphs_generates_what_the_eager_engine_does():
 def test_captured_cuda_graphs_replay_the_eager_logits():
     model = tiny_model(device="cuda")
     eager, graphed = runner(model, False, device="cuda"), runner(model, True, device="cuda")
-    assert graphed.graphs.capture and graphed.staging.host.is_pinned()
+    assert graphed.graphs.capture and graphed.graphs.host.is_pinned()
     cs = Contexts([3, 9, 14])
     both(cs.prefill(), eager, graphed)
     for _ in range(3):  # the same graph replayed over new inputs in the static buffers
@@ -230,6 +230,7 @@ def test_captured_cuda_graphs_replay_the_eager_logits():
     both(cs.decode(cs.ctxs[:1]), eager, graphed)  # another size: a second graph in the shared pool
     both(cs.decode(), eager, graphed)             # and the first again
     assert sorted(graphed.graphs.graphs) == [1, 4] and graphed.graphs.replays == 5
+    assert graphed.staging.host.is_pinned() and eager.staging.host.is_pinned()  # the eager steps' inputs
     assert_untouched(graphed, cs.unowned)
     graphed.close()
     assert graphed.graphs is None and graphed.staging is None

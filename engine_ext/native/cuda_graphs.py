@@ -45,6 +45,7 @@ capture itself is exercised by the CPU tests under Triton's interpreter.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 
 #: the largest padded batch a graph is captured for (larger decode batches run eagerly)
 MAX_GRAPH_BATCH = 256
+#: one capture at a time in the process (PyTorch's rule), whichever engine replica captures
+_CAPTURE_LOCK = threading.Lock()
 #: columns of the static input matrix before the block table
 ID, POS, SLOT, LEN, TABLE = 0, 1, 2, 3, 4
 
@@ -173,7 +176,9 @@ class DecodeGraphs:
             self._forward(b)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread's CUDA work (an engine replica on the same GPU) does not
+        # invalidate this capture, as it would in the default "global" mode
+        with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self._forward(b)
         self.graphs[b] = (graph, out)
         log.info("captured the decode CUDA graph for batch size %d (split-K %d)", b, self.num_splits[b])
