@@ -375,3 +375,4 @@ def test_engine_sizes_its_cache_from_gpu_memory():
         per_block = ModelRunner.kv_bytes_per_block(model, BS, torch.float32)
         assert eng.blocks.num_blocks * per_block <= min(total * share, free)
         assert eng.blocks.num_blocks > 1000
+        assert eng.swap.pool.num_blocks * BS == 16384  # the host pool: kv_cache_tokens, not the GPU cache's size

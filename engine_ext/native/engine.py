@@ -218,7 +218,9 @@ class NativeEngine:
         ``gpu_memory_utilization`` (CUDA only; ignored on a CPU): the share of
         the GPU's memory this engine may use; the KV cache gets what the
         weights and a measured activation peak leave of it (:mod:`.memory`),
-        instead of ``kv_cache_tokens``.  None: ``kv_cache_tokens``."""
+        instead of ``kv_cache_tokens`` (which then sizes the default host
+        pool: pinned host memory as large as a GPU's cache would be too much).
+        None: ``kv_cache_tokens``."""
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
         if gpu_memory_utilization is not None:
@@ -235,7 +237,8 @@ class NativeEngine:
         self.block_size = block_size
         kv_dtype = kv_dtype or next(model.parameters()).dtype
         attention_kernel = _attention_kernel(attention, self.device)
-        if num_blocks is None and gpu_memory_utilization is not None and self.device.type == "cuda":
+        sized_by_memory = num_blocks is None and gpu_memory_utilization is not None and self.device.type == "cuda"
+        if sized_by_memory:
             num_blocks = self._blocks_from_memory(gpu_memory_utilization, max_batched_tokens, kv_dtype,
                                                   attention_kernel)
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
@@ -246,7 +249,9 @@ class NativeEngine:
         self.scheduler = Scheduler(self.blocks, ranking or FCFS(), max_batched_tokens, max_seqs,
                                    inactive=self._inactive_contexts, release=self._release_kv)
         self.scheduler.rank_state = self._rank_state
-        host_blocks = (num_blocks * block_size if host_pool_tokens is None else host_pool_tokens) // block_size
+        if host_pool_tokens is None:  # as large as the cache; a cache sized from GPU memory: kv_cache_tokens
+            host_pool_tokens = kv_cache_tokens if sized_by_memory else num_blocks * block_size
+        host_blocks = host_pool_tokens // block_size
         self.swap: Optional[Swapper] = None  # allocated by the engine thread, beside the KV cache
         self.runner: Optional[ModelRunner] = None  # allocated by the engine thread (see _loop)
         if variants is not None and variants.model is not model:
