@@ -204,7 +204,12 @@ def test_engine_with_decode_graphs_generates_what_the_eager_engine_does():
             sp = SamplingParams(max_tokens=n, ignore_eos=True)
             return [ev.token_id async for ev in engine.generate(cid, sp) if ev.token_id is not None]
 
-        return await asyncio.gather(*(tokens(f"c{i}", n) for i, n in enumerate((6, 3, 6))))
+        out = await asyncio.gather(*(tokens(f"c{i}", n) for i, n in enumerate((6, 3, 6))))
+        for i in range(len(prompts)):
+            await engine.free_context(f"c{i}")
+        books = await engine.check_invariants()
+        assert books["contexts"] == 0 and books["used_blocks"] == 0  # no block leaked (cached ones are free)
+        return out
 
     got, replays = {}, 0
     for graphs in (True, False):
