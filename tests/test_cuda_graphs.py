@@ -365,6 +365,18 @@ def test_config_takes_the_cuda_options_and_defaults_utilization_when_the_cache_i
         assert needle in str(e.value), str(e.value)
 
 
+@pytest.mark.skipif(CUDA, reason="the errors of the CUDA-only parts on a machine without CUDA")
+def test_cuda_only_parts_refuse_a_cpu():
+    from interlace.engine_ext.native.cuda_graphs import DecodeGraphs
+    from interlace.engine_ext.native.memory import measure_activation_peak
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        measure_activation_peak(model, 8, BS, torch.float32, torch.device("cpu"), None)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        DecodeGraphs(model, torch.zeros(1), TritonAttention(), BS, 64, 4, 0, torch.device("cpu"), capture=True)
+
+
 @pytest.mark.skipif(not CUDA, reason="measures GPU memory")
 def test_engine_sizes_its_cache_from_gpu_memory():
     from interlace.engine_ext.native import memory
