@@ -69,7 +69,18 @@ NATIVE_PROPERTIES = {
                                  "triton = the Triton kernels (a GPU; without CUDA only under Triton's interpreter, "
                                  "for tests); torch = gathers it (the reference numerics); auto = the CPU kernel "
                                  "where it builds, Triton on a GPU where it is installed"},
+    "cuda_graphs": {"type": "boolean",
+                    "description": "decode steps replayed as CUDA graphs (padded batch sizes 1, 2, 4, 8, 16, 24, ...); "
+                                   "needs attention: triton (or auto on a GPU); default: on with CUDA and Triton"},
+    "gpu_memory_utilization": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
+                               "description": "CUDA only (ignored on a CPU): the share of the GPU's memory this "
+                                              "engine may use; the KV cache gets what the weights and a measured "
+                                              "activation peak leave (as vLLM).  Default 0.9 where kv_cache_tokens "
+                                              "is not set; where it is set, kv_cache_tokens sizes the cache"},
 }
+
+#: ``gpu_memory_utilization`` of a native engine whose configuration sizes its cache neither way
+GPU_MEMORY_UTILIZATION_DEFAULT = 0.9
 
 ENGINE_KINDS = ("native", "vllm", "openai")
 
@@ -483,7 +494,8 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                        if k not in ("engine", "replicas", "path", "parser", *POLICY_PROPERTIES)}
         own = {k: v for k, v in m.items() if k in POLICY_PROPERTIES}
         policy = _policy(defaults, own, m["kv_cache_tokens"], f"models.{name}", source)
-        replicas = _replicas(data["models"][name], m["path"], engine_args, f"models.{name}", source)
+        replicas = _replicas(data["models"][name], m["path"], engine_args, f"models.{name}", source,
+                             sized=bool(_CACHE_SIZING & set(data["models"][name])))
         models[name] = ModelSpec(name, replicas[0]["kind"], m["path"], m["parser"], engine_args, policy, replicas)
     return GatewayConfig(host=server["host"], port=server["port"], api_keys=_api_keys(server, source),
                          server_tools=server["server_tools"], replay=server["replay"],
@@ -497,19 +509,27 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                          mcp_servers=_mcp_servers(data.get("mcp_servers") or {}, source))
 
 
-def engine_dict(engine: Union[str, Dict[str, Any]], path: str, native_args: Dict[str, Any]) -> Dict[str, Any]:
+_CACHE_SIZING = frozenset({"kv_cache_tokens", "gpu_memory_utilization"})
+
+
+def engine_dict(engine: Union[str, Dict[str, Any]], path: str, native_args: Dict[str, Any],
+                sized: bool = True) -> Dict[str, Any]:
     """One replica's engine, normalized: ``{"kind": ..., ...}``; a native one gets the model-level
     native settings under its own and ``worker`` (default thread), an openai one its ``model``
-    when set (default: the only model its server serves)."""
+    when set (default: the only model its server serves).  ``sized=False``: the model's settings
+    size the KV cache neither way, so a native replica that does not either gets
+    ``gpu_memory_utilization`` :data:`GPU_MEMORY_UTILIZATION_DEFAULT` (which a CPU ignores)."""
     e = {"kind": engine} if isinstance(engine, str) else dict(engine)
     if e["kind"] == "native":
-        e = {"kind": "native", "worker": e.get("worker", "thread"), **native_args,
-             **{k: v for k, v in e.items() if k not in ("kind", "worker")}}
+        own = {k: v for k, v in e.items() if k not in ("kind", "worker")}
+        e = {"kind": "native", "worker": e.get("worker", "thread"), **native_args, **own}
+        if not sized and not _CACHE_SIZING & set(own):
+            e["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION_DEFAULT
     return e
 
 
 def _replicas(raw: Dict[str, Any], path: str, native_args: Dict[str, Any], where: str,
-              source: str) -> List[Dict[str, Any]]:
+              source: str, sized: bool = True) -> List[Dict[str, Any]]:
     """The model's replicas: ``replicas: N`` copies of ``engine``, or the listed engines."""
     engine = raw.get("engine", MODEL_DEFAULTS["engine"])
     replicas = raw.get("replicas", 1)
@@ -528,8 +548,8 @@ def _replicas(raw: Dict[str, Any], path: str, native_args: Dict[str, Any], where
         if "engine" in raw:
             raise ConfigError(f"{source}: {where}.replicas: a list of replicas names each one's engine; "
                               f"drop {where}.engine (or give replicas as a number)")
-        return [engine_dict(e, path, native_args) for e in replicas]
-    return [engine_dict(engine, path, native_args) for _ in range(replicas)]
+        return [engine_dict(e, path, native_args, sized) for e in replicas]
+    return [engine_dict(engine, path, native_args, sized) for _ in range(replicas)]
 
 
 def _sessions(raw: Dict[str, Any], source: str) -> SessionsConfig:

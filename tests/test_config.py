@@ -140,7 +140,8 @@ def test_engine_objects_and_replicas():
     plain, two, mixed = (cfg.models[n] for n in ("plain", "two", "mixed"))
     native = {"kind": "native", "worker": "thread", "dtype": "auto", "block_size": 16, "kv_cache_tokens": 16384,
               "max_batched_tokens": 512, "max_seqs": 256, "attention": "auto"}
-    assert plain.engine == "native" and plain.replicas == [native]  # as before: one native in-process engine
+    # as before: one native in-process engine; its cache sized by GPU memory on CUDA (kv_cache_tokens not set)
+    assert plain.engine == "native" and plain.replicas == [{**native, "gpu_memory_utilization": 0.9}]
     assert plain.engine_args["kv_cache_tokens"] == 16384
     assert two.replicas == [{**native, "worker": "process", "kv_cache_tokens": 4096, "max_seqs": 8}] * 2
     assert mixed.engine == "native" and [r["kind"] for r in mixed.replicas] == ["native", "vllm", "openai"]

@@ -193,7 +193,8 @@ class NativeEngine:
                  ranking: Optional[RankingPolicy] = None, eos_token_ids: Sequence[int] = (),
                  name: str = "model", profile: Optional[Profile] = None, host_pool_tokens: Optional[int] = None,
                  prefix_caching: bool = True, variants: Optional["VariantSet"] = None,
-                 attention: str = "torch"):
+                 attention: str = "torch", cuda_graphs: Optional[bool] = None,
+                 gpu_memory_utilization: Optional[float] = None):
         """``profile`` is the cost model for the swap budget and recomputation
         chunks (else the interception policy's own, else none: swaps move the
         whole context at once and recomputation is not chunked).
@@ -209,7 +210,23 @@ class NativeEngine:
         prefill and decode attention as Triton kernels, :mod:`.kernels`; on a
         machine without CUDA under Triton's interpreter: for tests) or
         ``auto`` (the CPU kernel on a CPU where it builds, Triton on a GPU
-        where it is installed, else torch)."""
+        where it is installed, else torch).
+        ``cuda_graphs``: decode-only steps replayed as CUDA graphs
+        (:mod:`.cuda_graphs`; the Triton attention only).  None (default): on
+        with CUDA and the Triton attention; ``True`` on a CPU runs the same
+        padded static-buffer path eagerly (for tests); ``False``: off.
+        ``gpu_memory_utilization`` (CUDA only; ignored on a CPU): the share of
+        the GPU's memory this engine may use; the KV cache gets what the
+        weights and a measured activation peak leave of it (:mod:`.memory`),
+        instead of ``kv_cache_tokens`` (which then sizes the default host
+        pool: pinned host memory as large as a GPU's cache would be too much).
+        None: ``kv_cache_tokens``."""
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
+        if gpu_memory_utilization is not None:
+            from .memory import check_utilization
+
+            gpu_memory_utilization = check_utilization(gpu_memory_utilization)
         if host_pool_tokens is not None and (not isinstance(host_pool_tokens, int) or host_pool_tokens < 0):
             raise ValueError(f"host_pool_tokens must be a non-negative integer, got {host_pool_tokens!r}")
         self.model = model
@@ -218,6 +235,12 @@ class NativeEngine:
         self.name = name
         self.device = next(model.parameters()).device
         self.block_size = block_size
+        kv_dtype = kv_dtype or next(model.parameters()).dtype
+        attention_kernel = _attention_kernel(attention, self.device)
+        sized_by_memory = num_blocks is None and gpu_memory_utilization is not None and self.device.type == "cuda"
+        if sized_by_memory:
+            num_blocks = self._blocks_from_memory(gpu_memory_utilization, max_batched_tokens, kv_dtype,
+                                                  attention_kernel)
         num_blocks = num_blocks or max(1, kv_cache_tokens // block_size)
         self.max_model_len = min(max_model_len or self.cfg.max_position_embeddings, num_blocks * block_size)
         self.vocab_size = self.cfg.vocab_size
@@ -226,14 +249,16 @@ class NativeEngine:
         self.scheduler = Scheduler(self.blocks, ranking or FCFS(), max_batched_tokens, max_seqs,
                                    inactive=self._inactive_contexts, release=self._release_kv)
         self.scheduler.rank_state = self._rank_state
-        host_blocks = (num_blocks * block_size if host_pool_tokens is None else host_pool_tokens) // block_size
+        if host_pool_tokens is None:  # as large as the cache; a cache sized from GPU memory: kv_cache_tokens
+            host_pool_tokens = kv_cache_tokens if sized_by_memory else num_blocks * block_size
+        host_blocks = host_pool_tokens // block_size
         self.swap: Optional[Swapper] = None  # allocated by the engine thread, beside the KV cache
         self.runner: Optional[ModelRunner] = None  # allocated by the engine thread (see _loop)
         if variants is not None and variants.model is not model:
             raise ValueError("variants must be built over this engine's model")
         self.variants = variants
-        runner_args = (model, num_blocks, block_size, kv_dtype or next(model.parameters()).dtype, self.device,
-                       variants, _attention_kernel(attention, self.device))
+        runner_args = (model, num_blocks, block_size, kv_dtype, self.device, variants, attention_kernel,
+                       dict(max_seqs=max_seqs, max_model_len=self.max_model_len, cuda_graphs=cuda_graphs))
         self.interception = interception or Preserve()
         self.profile = profile
         self._configure_policies()
@@ -255,6 +280,24 @@ class NativeEngine:
                                         daemon=True)
         self._thread.start()
         started.result()  # the KV cache allocation's error (out of memory), if any
+
+    def _blocks_from_memory(self, utilization: float, max_batched_tokens: int, kv_dtype: torch.dtype,
+                            attention_kernel: Optional[Any]) -> int:
+        """KV blocks from the GPU's memory (CUDA): :func:`.memory.kv_blocks_for` with the activation
+        peak of one dummy forward of ``max_batched_tokens`` tokens, measured before the cache exists."""
+        from . import memory
+
+        peak, other = memory.measure_activation_peak(self.model, max_batched_tokens, self.block_size, kv_dtype,
+                                                     self.device, attention_kernel)
+        free, total = torch.cuda.mem_get_info(self.device)
+        weights = memory.model_bytes(self.model)
+        per_block = ModelRunner.kv_bytes_per_block(self.model, self.block_size, kv_dtype)
+        blocks = memory.kv_blocks_for(total, weights, peak, utilization, per_block, other, free_bytes=free)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB) from gpu_memory_utilization %g of %.2f GiB "
+                 "(weights %.2f GiB, activation peak %.2f GiB)", blocks, self.block_size,
+                 blocks * per_block / memory.GIB, utilization, total / memory.GIB, weights / memory.GIB,
+                 peak / memory.GIB)
+        return blocks
 
     @classmethod
     def load(cls, model_path: str | Path, *, dtype: Optional[str] = None, device: Optional[str] = None,
@@ -494,7 +537,7 @@ class NativeEngine:
     def _loop(self, runner_args: tuple, host_blocks: int, started: concurrent.futures.Future) -> None:
         torch.set_grad_enabled(False)
         try:
-            self.runner = ModelRunner(*runner_args)
+            self.runner = ModelRunner(*runner_args[:-1], **runner_args[-1])
             self.swap = Swapper(self.blocks, self.runner.kv, host_blocks)
             if self.device.type == "cpu":  # the sampler's kernel: built now (once per CPU), not at a first request
                 from . import cpu_matmul
@@ -508,6 +551,7 @@ class NativeEngine:
             self._serve()
         finally:
             self._shutdown()
+            self.runner.close()  # its pinned buffers and graphs; the KV cache stays readable
 
     def _serve(self) -> None:
         while True:

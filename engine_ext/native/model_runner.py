@@ -1,5 +1,10 @@
 """Owns the model weights and the KV cache tensor; turns a scheduled
-:class:`~.scheduler.Batch` into tensors and runs one forward pass."""
+:class:`~.scheduler.Batch` into tensors and runs one forward pass.
+
+On CUDA the step's integer inputs go through one reused pinned buffer and one
+asynchronous copy (:mod:`.staging`), and with the Triton attention decode-only
+steps are padded and replayed as CUDA graphs (:mod:`.cuda_graphs`).  On the
+CPU the inputs are plain tensors, as they always were."""
 
 from __future__ import annotations
 
@@ -15,11 +20,18 @@ from .scheduler import Batch
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device, variants: Optional[VariantSet] = None,
-                 attention_kernel: Optional[Any] = None):
+                 attention_kernel: Optional[Any] = None, *, max_seqs: int = 256,
+                 max_model_len: Optional[int] = None, cuda_graphs: Optional[bool] = None):
         """``attention_kernel``: a :class:`~.cpu_attention.PagedDecodeKernel` for decode attention on
         the CPU (reads the blocks in place), a :class:`~.kernels.attention.TritonAttention` for the KV
         store, prefill and decode attention as Triton kernels (any device), or None for the torch path
-        (the gather; the reference numerics)."""
+        (the gather; the reference numerics).
+
+        ``cuda_graphs``: decode-only steps through :class:`~.cuda_graphs.DecodeGraphs` (the Triton
+        attention only): captured CUDA graphs on a GPU; on a CPU (``True``, for the tests) the same
+        padded static-buffer path run eagerly.  None: on where the device is CUDA and the attention
+        Triton.  ``max_seqs`` and ``max_model_len`` (default: the cache's tokens) bound the graphs'
+        batch sizes and static block tables."""
         cfg = model.cfg
         triton = getattr(attention_kernel, "name", None) == "triton"
         supported = attention_kernel is not None and attention_kernel.supports(
@@ -37,6 +49,33 @@ class ModelRunner:
         # gathered block table is one contiguous [tokens, head_dim] matrix per head
         self.kv = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim,
                               dtype=kv_dtype, device=device)
+        # one pinned host buffer and one async copy per step, on CUDA; plain tensors on the CPU
+        self.staging = None
+        if device.type == "cuda":
+            from .staging import StepStaging
+
+            self.staging = StepStaging(device, pin=True)
+        self.graphs = None
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda" and self.triton is not None
+        if cuda_graphs:
+            if self.triton is None:
+                raise ValueError("cuda_graphs: true needs attention: triton (the decode graphs replay the Triton "
+                                 "kernels); set cuda_graphs: false or use the Triton attention")
+            from .cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.kv, self.triton, block_size,
+                                       max_model_len or num_blocks * block_size, max_seqs, self.window or 0, device,
+                                       capture=device.type == "cuda")
+
+    def close(self) -> None:
+        """Free the per-step buffers and graphs (pinned host memory among them); the cache stays."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -48,6 +87,14 @@ class ModelRunner:
         ``batch.chunks`` (only chunks that reach their context's end)."""
         for src, dst in batch.copies:  # copy-on-write before anything writes
             self.kv[:, :, :, dst].copy_(self.kv[:, :, :, src])
+        if self.graphs is not None and (self.variants is None or len(self.variants) <= 1):
+            logits = self.graphs.run(batch)  # None: not a decode-only step the graphs take
+            if logits is not None:
+                return logits.float().cpu(), list(range(len(batch.chunks)))
+        dev = self.device
+        stage = self.staging
+        tensor = stage.tensor if stage is not None else (
+            lambda values, dtype: torch.tensor(values, dtype=dtype, device=dev))
         ids: List[int] = []
         pos: List[int] = []
         slot_mapping: List[int] = []
@@ -78,14 +125,13 @@ class ModelRunner:
                 nb = -(-end // bs)
                 prefill_chunks.append(ci)
                 prefills.append(PrefillSpan(row, ch.num, ch.start,
-                                            torch.tensor(blocks[:nb], dtype=torch.long, device=self.device),
+                                            tensor(blocks[:nb], torch.long),
                                             # the Triton kernels mask by position themselves
                                             None if self.triton is not None else self._prefill_mask(ch.start, end)))
             if ch.reaches_end:
                 logit_rows.append(row + ch.num - 1)
                 logit_chunks.append(ci)
-        dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+        meta = AttentionMetadata(slot_mapping=tensor(slot_mapping, torch.long),
                                  prefills=prefills, fused=self.fused)
         if self.variants is not None and len(self.variants) > 1:
             meta.variants = self.variants.batch([batch.chunks[ci].ctx.variant for ci in order
@@ -97,7 +143,7 @@ class ModelRunner:
                 [(p.row_start, p.num_new, p.start_pos, batch.chunks[ci].ctx.table.blocks)
                  for p, ci in zip(prefills, prefill_chunks)],
                 [(r, ch.start + 1, ch.ctx.table.blocks) for r, ch in zip(decode_rows, decode_chunks)],
-                bs, self.window or 0, dev)
+                bs, self.window or 0, dev, tensor)
         elif decode_rows and self.attention_kernel is not None:
             tables: List[int] = []
             starts: List[int] = []
@@ -125,9 +171,12 @@ class ModelRunner:
             if self.window is not None and max(lens) > self.window:  # the query is at lens - 1
                 masked |= keys < (lens_t - self.window)[:, None]
             meta.decode_masked = masked[None, :, None, :]
-        logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta,
-                            torch.tensor(logit_rows, dtype=torch.long, device=dev))
+        ids_t, pos_t, rows_t = tensor(ids, torch.long), tensor(pos, torch.long), tensor(logit_rows, torch.long)
+        if stage is not None:  # one copy of everything staged above, then the placeholders become its views
+            stage.upload()
+            meta = stage.resolve(meta)
+            ids_t, pos_t, rows_t = stage.resolve([ids_t, pos_t, rows_t])
+        logits = self.model(ids_t, pos_t, self.kv, meta, rows_t)
         # Sampling, seeded CPU generators and logits processors (grammar masks) work on
         # host memory: one small copy per step, whatever the device.
         return logits.float().cpu(), logit_chunks

@@ -16,7 +16,7 @@ any machine (far too slow to serve with there).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -37,11 +37,14 @@ class TritonStepArgs:
     decode_tables: Optional[torch.Tensor]     # [B, nb] int32
     decode_lens: Optional[torch.Tensor]       # [B] int32: keys per context (the query's position + 1)
     window: int
+    # split-K partitions of decode attention; None: chosen from the longest context (read on the host).
+    # Fixed under CUDA graphs (``native/cuda_graphs.py``), where nothing may read the device.
+    num_splits: Optional[int] = None
 
 
-def _table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+def _table(rows: Sequence[Sequence[int]]) -> List[List[int]]:
     width = max(1, max(len(r) for r in rows))
-    return torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+    return [list(r) + [0] * (width - len(r)) for r in rows]
 
 
 class TritonAttention:
@@ -55,26 +58,31 @@ class TritonAttention:
 
     @staticmethod
     def step_args(prefills: List[tuple], decodes: List[tuple], block_size: int, window: int,
-                  device: torch.device) -> TritonStepArgs:
+                  device: torch.device, tensor: Optional[Callable[[list, torch.dtype], Any]] = None,
+                  ) -> TritonStepArgs:
         """``prefills``: ``(first row, rows, start position, the context's blocks)`` per chunk;
-        ``decodes``: ``(row, keys, the context's blocks)`` per decoding context."""
+        ``decodes``: ``(row, keys, the context's blocks)`` per decoding context.  ``tensor(values,
+        dtype)`` makes each tensor (default: ``torch.tensor`` on ``device``; the model runner's
+        :meth:`~..staging.StepStaging.tensor` on CUDA, whose placeholders it resolves after one copy)."""
+        if tensor is None:
+            def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+                return torch.tensor(values, dtype=dtype, device=device)
         p_rows: List[int] = []
         cu = [0]
         for row, n, _, _ in prefills:
             p_rows += range(row, row + n)
             cu.append(cu[-1] + n)
-        long = dict(dtype=torch.long, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
+        long, i32 = torch.long, torch.int32
         return TritonStepArgs(
-            prefill_rows=torch.tensor(p_rows, **long) if prefills else None,
-            prefill_tables=_table([b[:-(-(s + n) // block_size)] for _, n, s, b in prefills], device)
+            prefill_rows=tensor(p_rows, long) if prefills else None,
+            prefill_tables=tensor(_table([b[:-(-(s + n) // block_size)] for _, n, s, b in prefills]), i32)
             if prefills else None,
-            cu_seqlens=torch.tensor(cu, **i32) if prefills else None,
-            start_pos=torch.tensor([s for _, _, s, _ in prefills], **i32) if prefills else None,
+            cu_seqlens=tensor(cu, i32) if prefills else None,
+            start_pos=tensor([s for _, _, s, _ in prefills], i32) if prefills else None,
             max_new=max((n for _, n, _, _ in prefills), default=0),
-            decode_rows=torch.tensor([r for r, _, _ in decodes], **long) if decodes else None,
-            decode_tables=_table([b[:-(-n // block_size)] for _, n, b in decodes], device) if decodes else None,
-            decode_lens=torch.tensor([n for _, n, _ in decodes], **i32) if decodes else None,
+            decode_rows=tensor([r for r, _, _ in decodes], long) if decodes else None,
+            decode_tables=tensor(_table([b[:-(-n // block_size)] for _, n, b in decodes]), i32) if decodes else None,
+            decode_lens=tensor([n for _, n, _ in decodes], i32) if decodes else None,
             window=window or 0)
 
     @staticmethod
@@ -94,5 +102,5 @@ class TritonAttention:
         if args.decode_rows is not None:
             out[args.decode_rows] = paged_decode_attention(
                 q[args.decode_rows].contiguous(), k_cache, v_cache, args.decode_tables, args.decode_lens, scale,
-                args.window)
+                args.window, num_splits=args.num_splits)
         return out
