@@ -27,7 +27,7 @@ log-probability gaps, the nucleus found from the histogram with a sort of
 only the bin where the mass crosses top_p, and one uniform number drawn by
 inverse CDF over the kept tokens in vocabulary order -- exact, and no sort
 of the vocabulary (top-p at batch 32 over 49 k tokens: 13 ms with the
-race, 3.7 ms; ``python -m interlace.bench.sampler``).  Top-k rows keep the
+race, 1.9 ms; ``python -m interlace.bench.sampler``).  Top-k rows keep the
 race, which needs only their k best.
 
 Each row draws its noise from its own ``Generation.rng`` (the engine seeds it
