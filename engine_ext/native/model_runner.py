@@ -128,9 +128,9 @@ class ModelRunner:
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta,
                             torch.tensor(logit_rows, dtype=torch.long, device=dev))
-        # Sampling, seeded CPU generators and logits processors (grammar masks) work on
-        # host memory: one small copy per step, whatever the device.
-        return logits.float().cpu(), logit_chunks
+        # Float32 logits where the model ran: on a GPU the sampler samples there
+        # (sampler.sample_on_device) and only the ids come to the host.
+        return logits.float(), logit_chunks
 
     def _prefill_mask(self, start: int, end: int):
         """Which keys [0, end) each new position [start, end) attends to, or
