@@ -8,7 +8,8 @@ N(0, 0.02), norms 1, in bfloat16 on the device.  For each shape:
 * decode tokens/s of the native engine (``attention: triton``, sampling on
   the device, greedy, EOS ignored) at each batch size and context length:
   ``batch`` prompts of ``context`` random token ids filled, then ``--new``
-  tokens generated; decode tokens/s = batch * (new - 1) / generation time.
+  tokens generated; decode tokens/s = batch * (new - 1) / generation time,
+  the best of ``--repeat`` rounds (2: the first compiles the kernels).
   Beside it the memory-bandwidth limit: a decode step reads every weight
   once (the embedding table only where it is also the head) and each row's
   KV, (weight bytes + batch * (context + new/2) * KV bytes per token) /
@@ -194,8 +195,8 @@ def bench_decode(args, name: str, config: dict, dev: torch.device, dtype: torch.
     kvt = kv_bytes_per_token(cfg, dtype)
     wbytes = weight_bytes_read(model)
     cells = [dict(batch=b, context=c) for c in args.contexts for b in args.batches]
-    for cell in cells:
-        cell["kv_tokens"] = cell["batch"] * (-(-(cell["context"] + args.new) // BLOCK_SIZE) * BLOCK_SIZE)
+    for cell in cells:  # each row's blocks, and one more (slack: no cell may need to preempt)
+        cell["kv_tokens"] = cell["batch"] * (-(-(cell["context"] + args.new) // BLOCK_SIZE) + 1) * BLOCK_SIZE
     # headroom: activations of a prefill chunk and the logits of a batch (float32, a few copies), 2 GiB more
     headroom = 2 ** 31 + 4 * max(args.batches) * cfg.vocab_size * 4 + 64 * args.max_batched_tokens * cfg.hidden_size
     budget = None if args.kv_budget_mib is None else args.kv_budget_mib * 2 ** 20
@@ -408,7 +409,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+")
     ap.add_argument("--contexts", type=int, nargs="+")
     ap.add_argument("--new", type=int)
-    ap.add_argument("--repeat", type=int, default=1, help="rounds per cell; the best is reported")
+    ap.add_argument("--repeat", type=int, help="rounds per cell, the best reported (default 2 on a GPU: the "
+                                               "first compiles the Triton kernels for the cell's shapes)")
     ap.add_argument("--max-batched-tokens", type=int)
     ap.add_argument("--forks", type=int, nargs="+")
     ap.add_argument("--prefix", type=int, help="the cascade part's shared prefix, tokens")
@@ -435,8 +437,8 @@ def run(args: argparse.Namespace) -> int:
     dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
     defaults = (dict(shapes=GPU_SHAPES, batches=[1, 8, 32, 128, 256], contexts=[512, 2048], new=32,
-                     max_batched_tokens=8192, forks=[16, 64], prefix=4096, suffix=128, kernel_iters=50) if gpu else
-                dict(shapes=["tiny"], batches=[1, 2], contexts=[16, 32], new=4, max_batched_tokens=256,
+                     repeat=2, max_batched_tokens=8192, forks=[16, 64], prefix=4096, suffix=128, kernel_iters=50) if gpu else
+                dict(shapes=["tiny"], batches=[1, 2], contexts=[16, 32], new=4, repeat=1, max_batched_tokens=256,
                      forks=[2, 4], prefix=64, suffix=16, kernel_iters=1))
     for k, v in defaults.items():
         if getattr(args, k) is None:
