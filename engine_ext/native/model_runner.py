@@ -129,8 +129,12 @@ class ModelRunner:
                             torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta,
                             torch.tensor(logit_rows, dtype=torch.long, device=dev))
         # Float32 logits where the model ran: on a GPU the sampler samples there
-        # (sampler.sample_on_device) and only the ids come to the host.
-        return logits.float(), logit_chunks
+        # (sampler.sample_on_device) and only the ids come to the host.  run() still
+        # returns when the forward pass has finished (the engine times it: iteration_s).
+        logits = logits.float()
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        return logits, logit_chunks
 
     def _prefill_mask(self, start: int, end: int):
         """Which keys [0, end) each new position [start, end) attends to, or
