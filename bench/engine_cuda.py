@@ -42,7 +42,6 @@ nothing.  Without a CUDA device ``--device cuda`` exits with status 2.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import importlib.metadata
 import importlib.util
@@ -466,7 +465,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: transformers", file=sys.stderr)
             bench_hf(args, config, dev, dtype, cells)
         print(f"{name}: cascade kernels", file=sys.stderr)
-        res["shapes"][name] = {"config": config, "params": params, "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype),
+        res["shapes"][name] = {"config": config, "params": params,
+                               "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype),
                                "decode": cells, "cascade": bench_cascade(args, config, dev, dtype)}
     print(report(res))
     if args.json:
