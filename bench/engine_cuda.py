@@ -436,7 +436,8 @@ def run(args: argparse.Namespace) -> int:
     dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
     defaults = (dict(shapes=GPU_SHAPES, batches=[1, 8, 32, 128, 256], contexts=[512, 2048], new=32,
-                     repeat=2, max_batched_tokens=8192, forks=[16, 64], prefix=4096, suffix=128, kernel_iters=50) if gpu else
+                     repeat=2, max_batched_tokens=8192, forks=[16, 64], prefix=4096, suffix=128,
+                     kernel_iters=50) if gpu else
                 dict(shapes=["tiny"], batches=[1, 2], contexts=[16, 32], new=4, repeat=1, max_batched_tokens=256,
                      forks=[2, 4], prefix=64, suffix=16, kernel_iters=1))
     for k, v in defaults.items():
