@@ -10,6 +10,8 @@ prefix caching off, eager).
     interlace bench engine [--batches 1 8 32] [--new 64] [--long 2048] [--repeat 3]
                            [--variants "interlace float32" "vllm bfloat16" ...]
 
+On a GPU: ``interlace bench engine --device cuda`` (:mod:`.engine_cuda`).
+
 Method.  Prompt lengths vary from row to row (``--prompt-lens``, default 60
 to 200 tokens, drawn per row), the same prompts for every engine; they are
 random token ids, so no two share a prefix (nothing is served from a prefix
@@ -279,6 +281,11 @@ def versions() -> Dict[str, str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--device" or a.startswith("--device=") for a in argv):  # the GPU benchmark (engine_cuda.py)
+        from interlace.bench import engine_cuda
+
+        return engine_cuda.main(argv)
     ap = argparse.ArgumentParser(prog="interlace bench engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])

@@ -35,7 +35,8 @@ All graphs share one memory pool (``torch.cuda.graph_pool_handle()``).  A
 later capture may reuse memory an earlier graph freed at the end of its
 capture, including where a later graph keeps its output; that is safe
 because graphs are replayed one at a time on one stream and each replay's
-logits are copied out (``.cpu()``) before the next replay.
+logits are copied out (a device copy, which the sampler and the contexts'
+last logits keep) before the next replay.
 
 Without CUDA the same class runs the same static-buffer path, and a
 "replay" is the forward called on the static buffers: everything except the
@@ -140,7 +141,9 @@ class DecodeGraphs:
             self._capture(b)
         graph, out = self.graphs[b]
         graph.replay()
-        return out[:n]
+        # a copy: the graph's output is rewritten by the next replay (of any size: the pool is shared),
+        # and the engine keeps a context's last logits on the device across steps
+        return out[:n].clone()
 
     def _stage(self, lead: List[List[int]], tables: List[List[int]], b: int) -> None:
         """Write the rows ``[:b]`` of the host buffer (padding included) and copy them to the device."""

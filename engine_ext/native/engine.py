@@ -487,7 +487,7 @@ class NativeEngine:
         (after a fill; a finished generation leaves its last token uncomputed)."""
         def get(fut):
             lg = self._get(context_id).last_logits
-            fut.set_result(None if lg is None else lg.clone())
+            fut.set_result(None if lg is None else lg.to("cpu", copy=True))  # kept on the model's device
         return await self._call(get)
 
     async def context_tokens(self, context_id: Hashable) -> List[int]:

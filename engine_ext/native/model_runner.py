@@ -90,7 +90,7 @@ class ModelRunner:
         if self.graphs is not None and (self.variants is None or len(self.variants) <= 1):
             logits = self.graphs.run(batch)  # None: not a decode-only step the graphs take
             if logits is not None:
-                return logits.float().cpu(), list(range(len(batch.chunks)))
+                return _finished(logits), list(range(len(batch.chunks)))
         dev = self.device
         stage = self.staging
         tensor = stage.tensor if stage is not None else (
@@ -176,10 +176,7 @@ class ModelRunner:
             stage.upload()
             meta = stage.resolve(meta)
             ids_t, pos_t, rows_t = stage.resolve([ids_t, pos_t, rows_t])
-        logits = self.model(ids_t, pos_t, self.kv, meta, rows_t)
-        # Sampling, seeded CPU generators and logits processors (grammar masks) work on
-        # host memory: one small copy per step, whatever the device.
-        return logits.float().cpu(), logit_chunks
+        return _finished(self.model(ids_t, pos_t, self.kv, meta, rows_t)), logit_chunks
 
     def _prefill_mask(self, start: int, end: int):
         """Which keys [0, end) each new position [start, end) attends to, or
@@ -194,6 +191,16 @@ class ModelRunner:
         if windowed:
             mask &= k > q - w
         return mask
+
+
+def _finished(logits: torch.Tensor) -> torch.Tensor:
+    """Float32 logits where the model ran: on a GPU the sampler samples there
+    (``sampler.sample_on_device``) and only the ids come to the host.  Returns when the
+    forward pass has finished (the engine times the step: ``iteration_s``)."""
+    logits = logits.float()
+    if logits.is_cuda:
+        torch.cuda.synchronize(logits.device)
+    return logits
 
 
 def _fused_ops(model: LlamaForCausalLM, device: torch.device) -> Optional[Any]:

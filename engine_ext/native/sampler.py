@@ -35,10 +35,27 @@ from ``seed``, or from os.urandom without one), one number per candidate it
 keeps, in rank order: a seeded request's tokens depend on its seed and its
 logits only, not on its row or on what shares the batch (nor does an
 unseeded one come to depend on torch's global seed).
+
+Logits on a GPU (the runner leaves them there) are sampled there, by
+:func:`sample_on_device`, in one batched pass of plain torch ops: greedy rows
+by argmax, the others by the same exponential race over the whole
+vocabulary -- top-k as a threshold at each row's k-th best logit, top-p as a
+threshold found by sorting only the top-p rows -- with noise from the
+request's own device generator (``Generation.device_rng``, made on first use
+and seeded from a draw of ``Generation.rng``, so from the request's seed:
+reproducible whatever its row and its neighbours).  Rows with logits
+processors go to the host, only they, in one copy, run their processors
+there and go back; the rest of the sampling is the same for them.  What
+comes back is one small tensor, the ids with the logprobs, in one copy.
+The same function runs on CPU tensors (the tests check it there); on the
+CPU, :func:`sample` keeps its own path and its compiled kernel.  The two
+paths draw different numbers: a seeded request's tokens are reproducible on
+one device, not across devices.
 """
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -58,7 +75,10 @@ def sample(logits: torch.Tensor, gens: Sequence[Generation]) -> List[Tuple[int, 
     raised, or a sampled row with nothing to sample (all -inf, or NaN) --
     that request fails alone, the rest of the batch goes on.  The logprob
     (when ``sampling.logprobs``) is log_softmax of the row after its
-    processors, before temperature and truncation."""
+    processors, before temperature and truncation.  Logits off the CPU (a
+    GPU's) are sampled where they are: :func:`sample_on_device`."""
+    if logits.device.type != "cpu":
+        return sample_on_device(logits, gens)
     out: List[Optional[Tuple[int, object]]] = [None] * len(gens)
     x = logits
     if any(g.sampling.logits_processors for g in gens):
@@ -210,3 +230,95 @@ def _topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     pos = (best[:, None, :] + torch.arange(0, V, G)[:, None]).reshape(n, -1)
     vals, j = torch.topk(x.gather(1, pos), k, dim=-1)
     return vals, pos.gather(1, j)
+
+
+def sample_on_device(logits: torch.Tensor, gens: Sequence[Generation]) -> List[Tuple[int, Optional[float]]]:
+    """:func:`sample` for logits on an accelerator, in one batched pass on
+    the logits' device (plain torch ops: it runs on CPU tensors too).  Same
+    results contract as :func:`sample`.
+
+    A sampled row's token is argmax(z - log E) over its kept tokens, z =
+    logits / temperature, E ~ Exp(1) drawn for the whole vocabulary from the
+    row's own device generator (one ``exponential_`` per sampled row: the
+    numbers a row gets depend on its generator only).  Top-k keeps the
+    tokens >= the row's k-th best logit, top-p (over the top-k survivors,
+    as on the CPU) the tokens >= the last one of the smallest sorted prefix
+    whose mass reaches top_p; a token tied with the last one kept is kept
+    too (the CPU path keeps exactly k).  A sampled row whose logits hold a
+    NaN or +inf, or only -inf, fails alone."""
+    n, V = logits.shape
+    dev = logits.device
+    out: List[Optional[Tuple[int, object]]] = [None] * n
+    x = logits.float()
+    procs = [i for i, g in enumerate(gens) if g.sampling.logits_processors]
+    if procs:  # only these rows go to the host, and come back processed (one copy each way)
+        x = x.clone() if x is logits else x
+        host = x[procs].cpu()
+        ok = []
+        for j, i in enumerate(procs):
+            g = gens[i]
+            try:
+                row = host[j]
+                for proc in g.sampling.logits_processors:
+                    row = proc(g.generated, row)
+                host[j] = torch.as_tensor(row, dtype=host.dtype)
+                ok.append(j)
+            except Exception as e:  # a broken processor (user code) must not take the batch down
+                out[i] = (-1, e)
+        if ok:
+            x[[procs[j] for j in ok]] = host[ok].to(dev)
+    sps = [g.sampling for g in gens]
+    drawn = [i for i in range(n) if out[i] is None and not sps[i].greedy]
+    tok = x.argmax(dim=-1)
+    if drawn:
+        xs = x[drawn]
+        m = len(drawn)
+        temp = torch.tensor([sps[i].temperature for i in drawn], dtype=torch.float32)
+        z = xs / temp.to(dev)[:, None]
+        ks = [sps[i].top_k if 0 < sps[i].top_k < V else 0 for i in drawn]
+        if any(ks):
+            kth = torch.topk(z, max(ks), dim=-1).values.gather(
+                1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])
+            kth.masked_fill_(torch.tensor([k == 0 for k in ks], device=dev)[:, None], float("-inf"))
+            z = z.masked_fill(z < kth, float("-inf"))
+        nuc = [j for j, i in enumerate(drawn) if sps[i].top_p < 1.0]
+        if nuc:
+            zn = z[nuc]
+            srt = torch.sort(zn, dim=-1, descending=True).values
+            prob = srt.softmax(dim=-1)
+            top_p = torch.tensor([sps[drawn[j]].top_p for j in nuc], device=dev)[:, None]
+            n_keep = ((prob.cumsum(dim=-1) - prob) <= top_p).sum(dim=-1, keepdim=True).clamp_(min=1)
+            z[nuc] = zn.masked_fill(zn < srt.gather(1, n_keep - 1), float("-inf"))
+        e = torch.empty(m, V, device=dev)
+        for j, i in enumerate(drawn):
+            e[j].exponential_(generator=_device_rng(gens[i], dev))
+        pick = (z - e.clamp_min_(torch.finfo(torch.float32).tiny).log_()).argmax(dim=-1)
+        mx = xs.max(dim=-1).values  # NaN if any is, +inf if any is, -inf if all are
+        pick = pick.masked_fill_(~mx.isfinite(), -1)
+        tok = tok.index_copy(0, torch.tensor(drawn, device=dev), pick)
+    res = tok.double()[None]
+    if any(sp.logprobs for sp in sps):
+        lp = x.gather(1, tok.clamp(min=0)[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+        res = torch.cat([res, lp.double()[None]])
+    rows = res.tolist()  # the one copy to the host
+    toks = [int(t) for t in rows[0]]
+    for i in drawn:
+        if toks[i] < 0 and out[i] is None:
+            out[i] = (-1, ValueError("no token to sample: the logits are all -inf, or NaN or +inf"))
+    return [o if o is not None else (toks[i], rows[1][i] if sps[i].logprobs else None)
+            for i, o in enumerate(out)]
+
+
+def _device_rng(g: Generation, device: torch.device) -> torch.Generator:
+    """The request's generator on ``device``: made once, seeded from a draw of
+    its CPU generator (itself seeded from the request's seed, or os.urandom),
+    and kept with the generation."""
+    rng = g.device_rng
+    if rng is None or rng.device != device:
+        if g.rng is not None:
+            seed = int(torch.randint(0, 2 ** 62, (1,), generator=g.rng))
+        else:
+            seed = g.sampling.seed if g.sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 2
+        rng = g.device_rng = torch.Generator(device=device)
+        rng.manual_seed(seed)
+    return rng

@@ -27,6 +27,7 @@ class Generation:
     emit: Callable[[Any], None]           # thread-safe: delivers a TokenEvent or an exception
     detok: Any = None                     # IncrementalDetokenizer, or None without a tokenizer
     rng: Any = None                       # torch.Generator for seeded sampling
+    device_rng: Any = None                # its counterpart on the GPU, made on first use (sampler.py)
     generated: List[int] = field(default_factory=list)
     held: str = ""                        # text held back: a possible stop-string prefix
     tail: str = ""                        # recent text, to find pause strings spanning tokens
