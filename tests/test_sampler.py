@@ -43,17 +43,21 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(autouse=True, params=["kernel", "torch"])
+@pytest.fixture(autouse=True, params=["kernel", "torch", "device"])
 def sampler_path(request, monkeypatch):
-    """Every test on both ways rows without top-k are drawn: the compiled nucleus kernel
-    (inverse CDF, no sort; engine_ext/native/cpu_matmul.py) and the torch race (wherever the
-    kernel cannot be built)."""
+    """Every test on the three ways rows are drawn: on the CPU, rows without top-k by the compiled
+    nucleus kernel (inverse CDF, no sort; engine_ext/native/cpu_matmul.py) or by the torch race
+    (wherever the kernel cannot be built); and the device path (``sample_on_device``: what samples
+    a GPU's logits, plain torch ops, here on CPU tensors; tests/test_sampler_device.py has what is
+    its own)."""
     if request.param == "kernel":
         from interlace.engine_ext.native import cpu_matmul
 
         if cpu_matmul.load() is None:
             pytest.skip("no C++ compiler: no nucleus kernel")
     monkeypatch.setattr(sampler, "USE_KERNEL", request.param == "kernel")
+    if request.param == "device":
+        monkeypatch.setitem(globals(), "sample", sampler.sample_on_device)
     return request.param
 
 
@@ -131,7 +135,8 @@ def test_rows_reaching_past_k_cap_stay_exact(monkeypatch, name, vocab):
     vocab 8; by grouped then plain topk at 64); each still follows its exact
     distribution, not one cut at K_CAP."""
     monkeypatch.setattr(sampler, "K_CAP", 2)
-    monkeypatch.setattr(sampler, "USE_KERNEL", False)  # K_CAP is the torch path's
+    monkeypatch.setattr(sampler, "USE_KERNEL", False)  # K_CAP is the CPU torch path's, whatever the fixture says
+    monkeypatch.setitem(globals(), "sample", sampler.sample)
     widths = []
     topk = sampler._topk
     monkeypatch.setattr(sampler, "_topk", lambda x, k: widths.append(k) or topk(x, k))
