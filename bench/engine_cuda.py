@@ -25,13 +25,16 @@ N(0, 0.02), norms 1, in bfloat16 on the device.  For each shape:
   sharing a ``--prefix``-token prefix, each with its own ``--suffix``
   tokens: the kernels alone, the shape's heads, on the same caches (their
   outputs are compared too).
+* with ``--profile-dir``, each shape's profile for the simulator (what
+  ``interlace profile`` writes: forward times by batch tokens, swap
+  bandwidth, saturation point), measured on the benchmark's engine.
 * Hugging Face transformers ``generate`` (greedy) on the same GPU, the same
   shape (its own random weights) and the same batches and lengths; a cell
   that runs out of memory says so.
 
     interlace bench engine --device cuda [--shapes qwen2.5-0.5b llama-3.2-1b llama-3-8b]
         [--batches 1 8 32 128 256] [--contexts 512 2048] [--new 32] [--no-hf]
-        [--json out.json] [--plot out.png]
+        [--json out.json] [--plot out.png] [--profile-dir DIR]
 
 ``--device cpu --shapes tiny`` runs every part on a tiny model on the CPU
 (the torch attention in the engine, the Triton kernels under the
@@ -226,11 +229,30 @@ def bench_decode(args, name: str, config: dict, dev: torch.device, dtype: torch.
                   f"({c['fraction']:.0%} of the bandwidth limit)", file=sys.stderr)
     finally:
         engine.close()
+    try:
+        if args.profile_dir:
+            write_profile(args, name, model, dev)
+    finally:
         del engine, model
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return cells
+
+
+def write_profile(args, name: str, model, dev: torch.device) -> None:
+    """The simulator's cost model of this shape on this device (what ``interlace profile`` writes), measured
+    on an engine of the profiler's own default cache size (it times prefill chunks up to
+    ``--max-batched-tokens`` and decode batches, which the benchmark's cache is not sized for)."""
+    from interlace.engine_ext.native.engine import NativeEngine
+    from interlace.engine_ext.native.profiler import measure_profile
+
+    out = Path(args.profile_dir) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with NativeEngine(model, block_size=BLOCK_SIZE, kv_cache_tokens=16384, max_batched_tokens=args.max_batched_tokens,
+                      name=name, attention="triton" if dev.type == "cuda" else "torch") as engine:
+        measure_profile(engine, quick=dev.type != "cuda").save(out)
+    print(f"{name}: profile for interlace sim written to {out}", file=sys.stderr)
 
 
 def bench_hf(args, config: dict, dev: torch.device, dtype: torch.dtype, cells: List[dict]) -> None:
@@ -419,6 +441,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="leave out the transformers peer")
     ap.add_argument("--json", help="write the results as JSON here")
     ap.add_argument("--plot", help="save a PNG plot of decode tokens/s here")
+    ap.add_argument("--profile-dir", help="also write each shape's profile for the simulator here "
+                                          "(interlace profile's JSON, measured on the benchmark's engine: "
+                                          "interlace sim --profile DIR/SHAPE.json)")
     args = ap.parse_args(argv)
     try:
         return run(args)

@@ -25,7 +25,7 @@ def finite_positive(*xs):
 
 def test_bench_engine_device_smoke(tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "p.png"
-    assert bench_engine.main(TINY + ["--json", str(out), "--plot", str(png)]) == 0
+    assert bench_engine.main(TINY + ["--json", str(out), "--plot", str(png), "--profile-dir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "| batch | context | interlace decode tok/s | bandwidth limit tok/s | fraction |" in text
     assert "| forks | prefix | suffix | paged decode ms | cascade ms | speed-up |" in text
@@ -46,6 +46,10 @@ def test_bench_engine_device_smoke(tmp_path, capsys):
     assert casc["speedup"] == pytest.approx(casc["plain_s"] / casc["cascade_s"])
     assert casc["max_abs_diff"] < 1e-4  # the two kernels compute the same attention
     assert png.stat().st_size > 1000
+    from interlace.engine_ext.policies.costmodel import Profile
+
+    prof = Profile.load(tmp_path / "tiny.json")  # the simulator reads it
+    assert prof.source == "measured" and prof.model == "tiny"
 
 
 def test_a_cell_that_does_not_fit_is_skipped_and_says_so(capsys):
