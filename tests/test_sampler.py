@@ -107,14 +107,14 @@ def assert_fits(tokens, probs):
     assert stat < CRIT[df], (stat, df, [c for c in counts if c], [round(n * q) for q in probs if q])
 
 
-def draw(settings, vocab=len(LOGITS), seed=0):
+def draw(settings, vocab=len(LOGITS), seed=0, device="cpu"):
     """N rows of each setting, interleaved in one batch; the tokens per setting."""
     rng = torch.Generator().manual_seed(seed)
     names = [name for _ in range(N) for name in settings]
     gens = [gen(rng, temperature=t, top_k=k, top_p=p) for name in names for t, k, p in [settings[name]]]
     row = torch.full((vocab,), float("-inf"))
     row[ids(vocab)] = torch.tensor(LOGITS)
-    out = sample(row.repeat(len(gens), 1), gens)
+    out = sample(row.repeat(len(gens), 1).to(device), gens)
     got = {name: [] for name in settings}
     for name, (tok, lp) in zip(names, out):
         got[name].append(tok)
@@ -165,7 +165,7 @@ def test_grouped_topk_is_torch_topk(vocab, k):
         assert torch.equal(x.gather(1, idx), vals) and all(len(set(r)) == k for r in idx.tolist())
 
 
-def run(rows, at, steps=20, seed=0):
+def run(rows, at, steps=20, seed=0, device="cpu"):
     """The tokens of row ``at`` over ``steps`` decode steps of the batch
     ``rows`` (SamplingParams kwargs).  Row ``at`` gets the same logits in
     every run, the others random ones.  4096 tokens: rows race over their
@@ -178,7 +178,7 @@ def run(rows, at, steps=20, seed=0):
     for _ in range(steps):
         logits = torch.randn(len(rows), 4096, generator=noise) * 2
         logits[at] = torch.randn(4096, generator=mine) * 2
-        out.append(sample(logits, gens)[at][0])
+        out.append(sample(logits.to(device), gens)[at][0])
     return out
 
 
