@@ -336,7 +336,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--quality-batch", type=int, default=0, metavar="N",
                     help="quality: at most N prompts at a time, so the decode steps run N rows (default: all "
-                         "20 at once; 1 measures batch-1 decode, where `auto` takes the gguf kernel)")
+                         "20 at once; 1 measures batch-1 decode)")
     ap.add_argument("--variants", nargs="+", default=["as-shipped", "int8"], choices=list(VARIANTS))
     ap.add_argument("--speed-variants", nargs="+", default=["float32", "as-shipped", "int8"],
                     choices=list(VARIANTS))
