@@ -432,7 +432,8 @@ constexpr int BINS_PER_NAT = 16, NBINS = 1024;  // log-probability gaps of 0..64
 constexpr int64_t CHUNK = 512;  // the draw finds its chunk from per-chunk sums, then walks one chunk
 
 static int64_t sample_row(const float* x, int64_t V, float T, float top_p, double u,
-                          std::vector<std::pair<float, int64_t>>& bin, std::vector<float>& wbuf, std::vector<int16_t>& bbuf) {
+                          std::vector<std::pair<float, int64_t>>& bin, std::vector<float>& wbuf, std::vector<int16_t>& bbuf,
+                          std::vector<double>& h, std::vector<double>& cs) {
   float xmax = -INFINITY;
   int bad = 0;
 #pragma omp simd reduction(max : xmax) reduction(| : bad)
@@ -464,7 +465,7 @@ static int64_t sample_row(const float* x, int64_t V, float T, float top_p, doubl
   if (nucleus) {
     // the histogram of the weights by bin: four interleaved copies, so consecutive tokens in one bin
     // (most of them are in a few) are not one chain of dependent additions
-    std::vector<double> h(4 * (NBINS + 1), 0.0);
+    h.assign(4 * (NBINS + 1), 0.0);
     int64_t i = 0;
     for (; i + 4 <= V; i += 4)
       for (int c = 0; c < 4; c++) h[c * (NBINS + 1) + bn[i + c]] += w[i + c];
@@ -494,7 +495,7 @@ static int64_t sample_row(const float* x, int64_t V, float T, float top_p, doubl
   // walking the chunk sums and then the one chunk where the cumulative weight passes it
   auto kept = [&](int64_t i) { return bn[i] < cut || (bn[i] == cut && (w[i] > w_last || (w[i] == w_last && i <= i_last))); };
   const int64_t nc = (V + CHUNK - 1) / CHUNK;
-  std::vector<double> cs(nc);
+  cs.resize(nc);
   double total = 0.0;
   for (int64_t c = 0; c < nc; c++) {
     const int64_t e = std::min(V, (c + 1) * CHUNK);
@@ -538,7 +539,9 @@ at::Tensor sample_top_p(const at::Tensor& logits, const at::Tensor& temp, const 
     std::vector<std::pair<float, int64_t>> bin;
     std::vector<float> wbuf;
     std::vector<int16_t> bbuf;
-    for (int64_t r = a; r < b; r++) out[r] = sample_row(x + r * V, V, tp[r], pp[r], up[r], bin, wbuf, bbuf);
+    std::vector<double> hbuf, cbuf;  // per thread, reused row to row
+    for (int64_t r = a; r < b; r++)
+      out[r] = sample_row(x + r * V, V, tp[r], pp[r], up[r], bin, wbuf, bbuf, hbuf, cbuf);
   });
   return tok;
 }

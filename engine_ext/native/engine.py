@@ -286,11 +286,12 @@ class NativeEngine:
         """KV blocks from the GPU's memory (CUDA): :func:`.memory.kv_blocks_for` with the activation
         peak of one dummy forward of ``max_batched_tokens`` tokens, measured before the cache exists."""
         from . import memory
+        from .quant import weight_bytes
 
         peak, other = memory.measure_activation_peak(self.model, max_batched_tokens, self.block_size, kv_dtype,
                                                      self.device, attention_kernel)
         free, total = torch.cuda.mem_get_info(self.device)
-        weights = memory.model_bytes(self.model)
+        weights = weight_bytes(self.model)  # parameters, buffers, any prepacked copies
         per_block = ModelRunner.kv_bytes_per_block(self.model, self.block_size, kv_dtype)
         blocks = memory.kv_blocks_for(total, weights, peak, utilization, per_block, other, free_bytes=free)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB) from gpu_memory_utilization %g of %.2f GiB "

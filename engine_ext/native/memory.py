@@ -76,17 +76,6 @@ def kv_blocks_for(total_bytes: int, weights_bytes: int, activation_peak_bytes: i
     return int(blocks)
 
 
-def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (tied weights counted once)."""
-    seen = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
 def measure_activation_peak(model: Any, max_batched_tokens: int, block_size: int, kv_dtype: torch.dtype,
                             device: torch.device, attention_kernel: Any) -> Tuple[int, int]:
     """``(activation peak, other)`` bytes of one dummy prefill of ``max_batched_tokens`` tokens (CUDA).

@@ -10,10 +10,10 @@ steps, grown by doubling when a step needs more) and copied with one
 ``non_blocking`` copy into one device buffer, of which the inputs are views
 (int32 ones cast on the device).
 
-Reuse is safe because every step ends by copying its logits to the host
-(``.cpu()``), which waits for the stream: the copy that read the host buffer
-and the kernels that read the device buffer have finished before the next
-step writes them.
+Reuse is safe because every step ends by waiting for the GPU (the model
+runner synchronizes before it returns the step's logits): the copy that read
+the host buffer and the kernels that read the device buffer have finished
+before the next step writes them.
 
 Two phases, since a step's inputs are only all known at the end:
 :meth:`StepStaging.tensor` records values and returns a :class:`Staged`
