@@ -104,10 +104,16 @@ def test_fill_completed_while_its_caller_was_cancelled_is_undone(eng):
 
 
 def test_later_fill_on_a_cancelled_fill_fails_typed(eng):
-    long = [(5 * i) % 300 + 1 for i in range(120)]
+    long = [(5 * i) % 300 + 1 for i in range(120)]  # 30 steps of 4 tokens
 
     async def go():
         await eng.fill("f", PROMPT)
+        run = eng.runner.run
+
+        def slow_run(batch):  # >= 0.6 s for the long fill: the cancel below lands half-way even on a busy machine
+            time.sleep(0.02)
+            return run(batch)
+        eng.runner.run = slow_run
         first = asyncio.create_task(eng.fill("f", long))
         await asyncio.sleep(0.01)
         second = asyncio.create_task(eng.fill("f", [1, 2]))  # builds on the first
