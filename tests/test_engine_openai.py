@@ -529,18 +529,24 @@ async def _pause_a_stream(engine: Any, c: tuple, tokens: Sequence[int], s: str) 
 
 async def _unavailable_within(stream: Any, server: "Server", what: str, t: float = 10.0) -> None:
     """``stream`` ends with EngineUnavailable within ``t`` seconds.  Any other
-    end says what came instead (``asyncio.timeout``, not ``wait_for``: 3.11's
-    ``wait_for`` can return normally when its task finishes as it times out)."""
+    end fails with what came instead: a normal end (the events after the
+    kill), a timeout, or another error, each with the server's log tail."""
     seen: List[TokenEvent] = []
-    try:
-        async with asyncio.timeout(t):
-            async for ev in stream:
-                seen.append(ev)
-    except E.EngineUnavailable:
-        return
-    except TimeoutError:
+
+    async def drain() -> None:
+        async for ev in stream:
+            seen.append(ev)
+    task = asyncio.ensure_future(drain())
+    done, _ = await asyncio.wait({task}, timeout=t)
+    if not done:
+        task.cancel()
+        await asyncio.wait({task}, timeout=5)
         pytest.fail(f"the {what} stream was still open {t:g} s after the kill ({len(seen)} more events)\n"
                     f"{server.log_tail()}")
+    if isinstance(task.exception(), E.EngineUnavailable):
+        return
+    if task.exception() is not None:
+        raise task.exception()
     pytest.fail(f"the {what} stream ended normally after the kill: {len(seen)} more events, last {seen[-1:]!r}\n"
                 f"{server.log_tail()}")
 
