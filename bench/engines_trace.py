@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -65,7 +67,10 @@ class _Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        # vLLM leaves its ZMQ socket files (and, killed, its rendezvous file) behind: here, removed at close
+        self.ipc_dir = tempfile.mkdtemp(prefix="interlace-")
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": self.ipc_dir,
+               "TMPDIR": self.ipc_dir}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
              "--enforce-eager", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(self.port),
@@ -99,6 +104,7 @@ class _Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def build_engine(name: str, model: str, threads: int = 0, kv_tokens: Optional[int] = None) -> tuple:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import stat
+import tempfile
 import time
 
 import psutil
@@ -159,6 +162,28 @@ def test_a_dead_engine_core_fails_streams_and_calls_with_engine_unavailable(smol
         assert not eng.alive
     finally:
         eng.close()
+
+
+def test_close_leaves_none_of_vllms_ipc_socket_files(smol_dir, monkeypatch):
+    """vLLM binds its ZMQ sockets as files in the temp dir and leaves them
+    behind at shutdown; the engine starts it in a directory of its own and
+    removes that at close."""
+    tmp = tempfile.mkdtemp(prefix="t")  # short: a socket's path must fit 107 bytes (tmp_path's does not)
+    monkeypatch.setattr(tempfile, "tempdir", tmp)  # where vLLM's default and ours both go
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    try:
+        eng = _engine(smol_dir)
+        try:
+            own = eng._ipc_dir
+            assert own and os.path.dirname(own) == tmp and "VLLM_RPC_BASE_PATH" not in os.environ
+            assert any(stat.S_ISSOCK(os.stat(os.path.join(own, f)).st_mode) for f in os.listdir(own)), (
+                "vLLM did not bind its sockets in the engine's directory")
+            asyncio.run(asyncio.wait_for(eng.fill("x", [1, 2, 3]), 60))
+        finally:
+            eng.close()
+        assert os.listdir(tmp) == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_forced_replay_runs_as_a_token_grammar_across_pauses(sjf_engine):

@@ -7,9 +7,13 @@ scheduler stats."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Dict, List, Optional
 
@@ -18,6 +22,48 @@ from ..protocol import SamplingParams
 from ..request_engine import Chunk, RequestEngine, _unavailable
 
 log = logging.getLogger(__name__)
+
+_IPC_ENV = "VLLM_RPC_BASE_PATH"
+_SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+_ipc_lock = threading.Lock()  # the environment is the process's: one engine start-up sets it at a time
+
+
+@contextlib.contextmanager
+def _own_ipc_dir() -> Any:
+    """vLLM binds its ZMQ IPC sockets (front end, engine core, workers) as
+    uuid-named files in ``$VLLM_RPC_BASE_PATH`` (default: the temp dir) and
+    leaves them there when it shuts down (several per engine).  While an engine
+    starts (its processes inherit the environment then), the variable names
+    a directory of its own, which :meth:`VLLMEngine.close` removes; yields
+    None, changing nothing, where the operator set the variable, where vLLM
+    already reads its environment from a cache, or where the temp dir's path
+    is too long for a socket address one level further down."""
+    with _ipc_lock:
+        if os.environ.get(_IPC_ENV) or _envs_cached():
+            yield None
+            return
+        path = tempfile.mkdtemp(prefix="interlace-")
+        if len(path) + 37 > _SUN_PATH_MAX:  # '/' + a uuid must fit a Unix socket's address
+            os.rmdir(path)
+            yield None
+            return
+        os.environ[_IPC_ENV] = path
+        try:
+            yield path
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        finally:
+            os.environ.pop(_IPC_ENV, None)
+
+
+def _envs_cached() -> bool:
+    """Whether this process's vLLM caches its environment (an engine core
+    run in process turns that on): a path set then is kept for every later
+    engine, so its directory must stay."""
+    from vllm import envs
+
+    return bool(getattr(envs, "_is_envs_cache_enabled", lambda: False)())
 
 
 class VLLMEngine(RequestEngine):
@@ -54,7 +100,10 @@ class VLLMEngine(RequestEngine):
                 sc.scheduler_cls = scheduler.ASYNC if sc.async_scheduling else scheduler.SYNC
             return AsyncLLM.from_vllm_config(config, stat_loggers=[InterlaceStats])
         try:
-            self.llm = self._run(build())
+            with _own_ipc_dir() as self._ipc_dir:
+                self.llm = self._run(build())
+            if self._ipc_dir is not None and _envs_cached():
+                self._ipc_dir = None  # cached for later engines now: not ours to remove
         except BaseException:
             self._stop_loop()
             raise
@@ -102,7 +151,11 @@ class VLLMEngine(RequestEngine):
         return StructuredOutputsParams(**parts)
 
     async def _shutdown(self) -> None:
-        self.llm.shutdown()
+        try:
+            self.llm.shutdown()
+        finally:
+            if self._ipc_dir is not None:  # its processes are gone: their sockets go too
+                shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def _backend_failed(self) -> bool:
         return bool(self.llm.errored)
