@@ -37,7 +37,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -67,10 +66,9 @@ class _Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        # vLLM leaves its ZMQ socket files (and, killed, its rendezvous file) behind: here, removed at close
-        self.ipc_dir = tempfile.mkdtemp(prefix="interlace-")
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": self.ipc_dir,
-               "TMPDIR": self.ipc_dir}
+        from interlace.engine_ext.vllm.engine import server_env
+
+        env, self.ipc_dir = server_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})  # the dir: removed at close
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
              "--enforce-eager", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(self.port),

@@ -42,10 +42,10 @@ from interlace.engine_ext.native import cpu_matmul
 SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]
 
 
-def build_variant(extra_flags: List[str]) -> object:
-    """The kernel built with extra compiler flags, in a process-private build directory.  The
-    library registers the same op namespace, so only one build can be loaded per process: the
-    caller runs this in its own subprocess (see :func:`_variant_worker`)."""
+def build_variant(extra_flags: List[str], build_dir: str) -> object:
+    """The kernel built with extra compiler flags, in ``build_dir`` (not the shared cache: the
+    caller removes it).  The library registers the same op namespace, so only one build can be
+    loaded per process: the caller runs this in its own subprocess (see :func:`_variant_worker`)."""
     original = cpu_matmul._command
 
     def command():
@@ -54,7 +54,7 @@ def build_variant(extra_flags: List[str]) -> object:
         return cmd[:i + 1] + extra_flags + cmd[i + 1:], libs
 
     cpu_matmul._command = command
-    return cpu_matmul.load(Path(tempfile.mkdtemp(prefix="interlace-gguf-")))
+    return cpu_matmul.load(Path(build_dir))
 
 
 def measure(rows: List[int], threads: int, variants: List[str], rounds: int = 5) -> Dict[str, Dict[int, float]]:
@@ -100,10 +100,11 @@ def _variant_worker(args: argparse.Namespace) -> Dict[str, Dict[int, float]]:
     import subprocess
     import sys
 
-    code = ("import json,sys; from interlace.bench import gguf_kernels as b; "
-            "b.build_variant(['-mno-avx512f']); "
-            f"print(json.dumps(b.measure({args.rows!r}, {args.threads}, ['gguf'])))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    with tempfile.TemporaryDirectory(prefix="interlace-gguf-") as build_dir:
+        code = ("import json,sys; from interlace.bench import gguf_kernels as b; "
+                f"b.build_variant(['-mno-avx512f'], {build_dir!r}); "
+                f"print(json.dumps(b.measure({args.rows!r}, {args.threads}, ['gguf'])))")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     got = json.loads(res.stdout.strip().splitlines()[-1])
     return {"gguf (avx2 build)": {int(r): v for r, v in got["gguf"].items()}}
 

@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, List, Sequence
@@ -70,9 +69,9 @@ def server(smol_dir, tmp_path_factory):
            "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
            # the gateway's grammars are llguidance's (x-guidance layout options, Lark tool-call grammars)
            "--structured-outputs-config.backend", "guidance"]
-    # vLLM's socket files, and the rendezvous file a killed server cannot remove: here, removed at the end
-    ipc = tempfile.mkdtemp(prefix="interlace-")
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_RPC_BASE_PATH=ipc, TMPDIR=ipc)
+    from interlace.engine_ext.vllm.engine import server_env
+
+    env, ipc = server_env(dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))  # its socket files' dir: removed at the end
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     srv = Server(proc, port, log)

@@ -186,6 +186,21 @@ def test_close_leaves_none_of_vllms_ipc_socket_files(smol_dir, monkeypatch):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_the_socket_dir_is_left_to_an_operators_path_and_to_a_too_long_temp_dir(tmp_path, monkeypatch):
+    from interlace.engine_ext.vllm.engine import _own_ipc_dir
+
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/srv/vllm-sockets")
+    with _own_ipc_dir() as d:
+        assert d is None and os.environ["VLLM_RPC_BASE_PATH"] == "/srv/vllm-sockets"
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH")
+    deep = tmp_path / ("x" * 80)  # a socket's path under it would pass 107 bytes: vLLM's own default then
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with _own_ipc_dir() as d:
+        assert d is None and "VLLM_RPC_BASE_PATH" not in os.environ
+    assert list(deep.iterdir()) == []
+
+
 def test_a_forced_replay_runs_as_a_token_grammar_across_pauses(sjf_engine):
     """interlace.replay / the trace benchmark force recorded tokens: on vLLM
     they become a grammar of token ids per request (decoded at full cost),

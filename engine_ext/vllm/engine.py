@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple
 
 from .. import errors as E
 from ..protocol import SamplingParams
@@ -42,7 +42,7 @@ def _own_ipc_dir() -> Any:
         if os.environ.get(_IPC_ENV) or _envs_cached():
             yield None
             return
-        path = tempfile.mkdtemp(prefix="interlace-")
+        path = _new_dir()
         if len(path) + 37 > _SUN_PATH_MAX:  # '/' + a uuid must fit a Unix socket's address
             os.rmdir(path)
             yield None
@@ -55,6 +55,18 @@ def _own_ipc_dir() -> Any:
             raise
         finally:
             os.environ.pop(_IPC_ENV, None)
+
+
+def _new_dir() -> str:
+    return tempfile.mkdtemp(prefix="interlace-")
+
+
+def server_env(env: Mapping[str, str]) -> Tuple[Dict[str, str], str]:
+    """``env`` for a ``vllm serve`` process, with its socket files and temp
+    files in a new directory of their own; returns it too, to remove once the
+    process is gone (a killed server also leaves its rendezvous file)."""
+    path = _new_dir()
+    return {**env, _IPC_ENV: path, "TMPDIR": path}, path
 
 
 def _envs_cached() -> bool:
