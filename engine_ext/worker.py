@@ -20,6 +20,17 @@ every later call.  A caller cancelled while waiting has its call cancelled in
 the child too, so cancellation means what it means in process (a cancelled
 fill is undone, a cancelled or abandoned stream aborted).
 
+Token events cross in batches (issue 36): the child sends what its streams
+emitted in one loop turn (a decode step's tokens for every stream: the
+native engine hands them over together) as one ``evs`` message -- their
+kinds and call ids, their payloads pickled together; an error goes alone,
+in its place, since what it carries may not unpickle here --, and the
+reader thread hands a message's events to each caller's loop with one
+wake-up (``channel.Outbox``).  Measured (a 2-core CPU host, 256 streams, one
+token each per step): the child spent 1.7-4.0 ms per step sending one
+message per token, 0.3-0.6 ms sending one; the tokens reached all 256
+streams in the parent after 15-24 ms, now 2.4-8.9 ms.
+
 Logits processors run in the child, on copies shipped when a stream starts;
 ``on_resume()`` calls on the caller's processors reach the copies at the
 next ``resume`` (see :class:`ProcessEngine`).
@@ -51,6 +62,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Dict, Hashable, List, Optional, Sequence
 
 from . import errors as E
+from .channel import Outbox
 from .protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -139,10 +151,13 @@ class _Call:
                  queue: Optional[asyncio.Queue] = None):
         self.loop, self.fut, self.queue = loop, fut, queue
 
-    def deliver(self, kind: str, value: Any) -> None:
-        """From the reader thread: ``ok`` / ``err`` end a call; ``ev`` / ``end`` / ``err`` feed a stream."""
+    def deliver(self, kind: str, value: Any, outbox: Optional[Outbox] = None) -> None:
+        """From the reader thread: ``ok`` / ``err`` end a call; ``ev`` / ``end`` / ``err`` feed a stream
+        (through ``outbox``, the reader's, when given)."""
         try:
-            if self.queue is not None:
+            if self.queue is not None and outbox is not None:
+                outbox.put(self, (kind, value))
+            elif self.queue is not None:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
             else:
                 self.loop.call_soon_threadsafe(_settle, self.fut, kind, value)
@@ -521,6 +536,7 @@ class ProcessEngine:
     def _read(self) -> None:
         """The reader thread: answers to their calls, until the child is gone."""
         conn, sentinel = self._conn, self.process.sentinel
+        outbox = Outbox()  # a message's stream events: one wake-up per caller loop
         try:
             while True:
                 ready = multiprocessing.connection.wait([conn, sentinel])
@@ -531,21 +547,9 @@ class ProcessEngine:
                     kind, call_id, blob = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     break
-                try:
-                    payload = pickle.loads(blob)
-                    if kind == "err":
-                        payload = _unpack_error(payload)
-                except Exception as e:  # noqa: BLE001  (that answer is lost, not the worker)
-                    kind, payload = "err", E.EngineError(f"engine {self.name!r}: an answer of the worker "
-                                                         f"could not be read: {e!r}")
-                if kind == "stats":
-                    self._stats = payload
-                    continue
-                with self._lock:
-                    call = (self._calls.pop(call_id, None) if kind in ("ok", "err", "end")
-                            else self._calls.get(call_id))
-                if call is not None:
-                    call.deliver(kind, payload)
+                with outbox.holding():
+                    for kind, call_id, payload in self._decode(kind, call_id, blob):
+                        self._answer(kind, call_id, payload, outbox)
         except Exception:  # noqa: BLE001  (a bug here must not leave callers waiting)
             log.exception("engine worker %s: reading its answers failed", self.label)
         finally:
@@ -560,6 +564,33 @@ class ProcessEngine:
                     if self._dead is None:
                         self._dead = reason
                 self._fail_all(E.EngineUnavailable(reason))
+
+    def _decode(self, kind: str, call_id: Optional[int], blob: bytes) -> List[tuple]:
+        """A message's answers, (kind, call id, payload) each: one, or an
+        ``evs`` message's (streams' events and ends: their kinds and call ids,
+        then their payloads pickled together)."""
+        ids = [(kind, call_id)]
+        try:
+            payload = pickle.loads(blob)
+            if kind == "evs":
+                ids, payloads = payload
+                return [(k, c, p) for (k, c), p in zip(ids, pickle.loads(payloads), strict=True)]
+            if kind == "err":
+                payload = _unpack_error(payload)
+            return [(kind, call_id, payload)]
+        except Exception as e:  # noqa: BLE001  (those answers are lost, not the worker)
+            return [("err", c, E.EngineError(f"engine {self.name!r}: an answer of the worker could not be read: "
+                                             f"{e!r}")) for _, c in ids]
+
+    def _answer(self, kind: str, call_id: Optional[int], payload: Any, outbox: Outbox) -> None:
+        if kind == "stats":
+            self._stats = payload
+            return
+        with self._lock:
+            call = (self._calls.pop(call_id, None) if kind in ("ok", "err", "end")
+                    else self._calls.get(call_id))
+        if call is not None:
+            call.deliver(kind, payload, outbox)
 
     def _fail_all(self, err: BaseException) -> None:
         with self._lock:
@@ -680,8 +711,10 @@ class _ChildServer:
         self.fills: Dict[int, Any] = {}  # call id -> FillOp of fills answered in the last KEEP_FILL_S
         self.streams: Dict[Any, List[List[Any]]] = {}  # context id -> its streams' logits processors
         self.parent_gone = False
+        self.evs: List[tuple] = []  # a stream's (kind, call id, payload) to send at the end of this loop turn
 
     def send(self, kind: str, call_id: Optional[int], payload: Any) -> None:
+        self.flush_evs()  # what a stream emitted before goes first
         if self.parent_gone:
             return
         try:
@@ -689,6 +722,39 @@ class _ChildServer:
         except (OSError, ValueError):  # the parent is gone: stop
             self.parent_gone = True
             self.inbox.put_nowait(None)
+
+    def send_stream(self, kind: str, call_id: int, payload: Any) -> None:
+        """Send a stream's event (or its end, or error) with the others of
+        this loop turn: those of one engine step arrive in one turn, and go
+        out as one message."""
+        if not self.evs:
+            asyncio.get_running_loop().call_soon(self.flush_evs)
+        self.evs.append((kind, call_id, payload))
+
+    def flush_evs(self) -> None:
+        evs, self.evs = self.evs, []
+        batch: List[tuple] = []
+        for msg in evs:
+            if msg[0] == "err":  # alone, as before: what it carries may not unpickle in the parent
+                self._send_batch(batch)
+                batch = []
+                self.send(*msg)
+            else:
+                batch.append(msg)
+        self._send_batch(batch)
+
+    def _send_batch(self, batch: List[tuple]) -> None:
+        """Events and ends (TokenEvents and None) as one ``evs`` message."""
+        if len(batch) > 1:
+            try:
+                payloads = pickle.dumps([p for _, _, p in batch], protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # noqa: BLE001  (one by one, each failing alone)
+                pass
+            else:
+                self.send("evs", None, ([(k, c) for k, c, _ in batch], payloads))
+                return
+        for msg in batch:
+            self.send(*msg)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -742,6 +808,7 @@ class _ChildServer:
             await asyncio.wait(list(self.tasks.values()), timeout=2.0)
         for t in self.tasks.values():
             t.cancel()
+        self.flush_evs()
         log.debug("engine worker: done")
 
     def dispatch(self, kind: str, call_id: int, payload: Any) -> None:
@@ -851,13 +918,13 @@ class _ChildServer:
                 sampling.logits_processors = procs
                 self.streams.setdefault(context_id, []).append(procs)
             async for ev in self.engine.generate(context_id, sampling, parent_id, hint):
-                self.send("ev", call_id, ev)
+                self.send_stream("ev", call_id, ev)
         except asyncio.CancelledError:
             raise  # the generator's own cleanup aborted it; the parent is not listening
         except Exception as e:  # noqa: BLE001
-            self.send("err", call_id, _pack_error(e))
+            self.send_stream("err", call_id, _pack_error(e))
         else:
-            self.send("end", call_id, None)
+            self.send_stream("end", call_id, None)
         finally:
             if procs:
                 streams = [s for s in self.streams.get(context_id, ()) if s is not procs]

@@ -6,7 +6,11 @@ thread, so a forward pass never blocks the asyncio event loop that serves
 HTTP.  The public coroutines send a command to that thread and await its
 future; each command validates everything first and raises a typed error
 before changing anything, so a failed call leaves the engine as it was.
-Token events travel back with ``loop.call_soon_threadsafe``.
+Token events travel back with ``loop.call_soon_threadsafe``: those of one
+step (or of a failed step, or of close) together, one call per consumer
+loop at the step's end (``channel.Outbox``: one per token per stream was a
+large part of a GPU step's host time at batch 256, issue 36; figures in
+``channel.py``); a command's (pause, free) at once, ahead of its answer.
 
 Cancellation leaves nothing behind: a command whose caller is cancelled
 before the engine thread takes it is skipped; a cancelled ``generate`` is
@@ -46,7 +50,7 @@ from .. import errors as E
 from ..policies.costmodel import Profile
 from ..policies.interception import BatchState, Handling, InterceptedContext, InterceptionPolicy, Preserve
 from ..policies.ranking import FCFS, RankingPolicy, RankState
-from ..channel import Channel
+from ..channel import Channel, Outbox
 from ..protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
 from ..stream_text import token_text
 from .block_manager import BlockManager
@@ -273,6 +277,7 @@ class NativeEngine:
         self._held_tokens = 0   # device KV tokens held by intercepted contexts, since _waste_at
         self._waste_at = time.monotonic()
         self._cmds: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._outbox = Outbox()  # the engine thread's token events: a step's go out together
         self._closed = False   # close() was called: no new commands
         self._stopped = False  # the engine thread has finished: nothing will run a queued command
         started: concurrent.futures.Future = concurrent.futures.Future()
@@ -364,7 +369,7 @@ class NativeEngine:
         output and tool call)."""
         sampling = sampling or SamplingParams()
         ch = Channel()
-        emit = ch.emit  # one object: the generation keeps it, _abort finds the stream by it
+        emit = self._outbox.emitter(ch)  # one object: the generation keeps it, _abort finds the stream by it
         events = ch.events(self._call(self._cmd_generate, context_id, sampling, parent_context_id, emit, hint),
                            lambda: self._post(lambda: self._abort(context_id, emit)))
         async with contextlib.aclosing(events):  # a consumer that leaves early stops the decoding at once
@@ -583,25 +588,28 @@ class NativeEngine:
                     item = ()
             try:
                 self._account_waste()
-                self._step()
+                with self._outbox.holding():  # its events: one wake-up per consumer loop, at its end
+                    self._step()
             except Exception as e:  # a bug must not kill the engine silently
                 log.exception("engine step failed")
                 err = E.EngineError(f"engine step failed: {e!r}")
                 err.__cause__ = e
                 # every running generation and pending fill, wherever it was in the step
-                for ctx in list(self.contexts.values()):
-                    if ctx.fill_waiters or (ctx.gen is not None and not ctx.gen.paused):
-                        self._fail(ctx, err)
+                with self._outbox.holding():
+                    for ctx in list(self.contexts.values()):
+                        if ctx.fill_waiters or (ctx.gen is not None and not ctx.gen.paused):
+                            self._fail(ctx, err)
 
     def _shutdown(self) -> None:
         self._stopped = True
-        for ctx in list(self.contexts.values()):
-            if ctx.gen is not None and not ctx.gen.done:
-                self._finish(ctx, "abort")
-            for op in ctx.fill_waiters:
-                if not op.fut.done():
-                    op.fut.set_exception(E.EngineClosed("the engine was closed"))
-            ctx.fill_waiters.clear()
+        with self._outbox.holding():
+            for ctx in list(self.contexts.values()):
+                if ctx.gen is not None and not ctx.gen.done:
+                    self._finish(ctx, "abort")
+                for op in ctx.fill_waiters:
+                    if not op.fut.done():
+                        op.fut.set_exception(E.EngineClosed("the engine was closed"))
+                ctx.fill_waiters.clear()
         self._fail_queued()
 
     def _inactive_contexts(self) -> List[Context]:

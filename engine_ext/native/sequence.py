@@ -24,7 +24,7 @@ class Generation:
     """The decoding state of one generate() stream."""
 
     sampling: SamplingParams
-    emit: Callable[[Any], None]           # thread-safe: delivers a TokenEvent or an exception
+    emit: Callable[[Any], None]           # engine thread only: a TokenEvent or an exception, via its Outbox
     detok: Any = None                     # IncrementalDetokenizer, or None without a tokenizer
     rng: Any = None                       # torch.Generator for seeded sampling
     device_rng: Any = None                # its counterpart on the GPU, made on first use (sampler.py)
