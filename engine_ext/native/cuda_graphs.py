@@ -92,10 +92,11 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: LlamaForCausalLM, kv: torch.Tensor, triton, block_size: int, max_model_len: int,
-                 max_seqs: int, window: int, device: torch.device, capture: bool):
+                 max_seqs: int, window: int, device: torch.device, capture: bool, fused=None):
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.kv, self.triton = model, kv, triton
+        self.fused = fused  # the model runner's fused ops (``kernels/fused.py``), or None
         self.block_size, self.window, self.device, self.capture = block_size, window or 0, device, capture
         self.max_blocks = -(-max_model_len // block_size)
         self.sizes = graph_sizes(max_seqs)
@@ -164,7 +165,8 @@ class DecodeGraphs:
         args = TritonStepArgs(prefill_rows=None, prefill_tables=None, cu_seqlens=None, start_pos=None, max_new=0,
                               decode_rows=rows, decode_tables=self.static[:b, TABLE:], decode_lens=cols[LEN],
                               window=self.window, num_splits=self.num_splits[b])
-        meta = AttentionMetadata(slot_mapping=cols[SLOT], prefills=[], triton=self.triton, triton_args=args)
+        meta = AttentionMetadata(slot_mapping=cols[SLOT], prefills=[], triton=self.triton, triton_args=args,
+                                 fused=self.fused)
         return self.model(cols[ID], cols[POS], self.kv, meta, rows)
 
     def _capture(self, b: int) -> None:

@@ -8,7 +8,8 @@ CPU the inputs are plain tensors, as they always were."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import collections
+from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 
@@ -21,7 +22,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device, variants: Optional[VariantSet] = None,
                  attention_kernel: Optional[Any] = None, *, max_seqs: int = 256,
-                 max_model_len: Optional[int] = None, cuda_graphs: Optional[bool] = None):
+                 max_model_len: Optional[int] = None, cuda_graphs: Optional[bool] = None,
+                 fused_ops: Optional[bool] = None):
         """``attention_kernel``: a :class:`~.cpu_attention.PagedDecodeKernel` for decode attention on
         the CPU (reads the blocks in place), a :class:`~.kernels.attention.TritonAttention` for the KV
         store, prefill and decode attention as Triton kernels (any device), or None for the torch path
@@ -31,7 +33,12 @@ class ModelRunner:
         attention only): captured CUDA graphs on a GPU; on a CPU (``True``, for the tests) the same
         padded static-buffer path run eagerly.  None: on where the device is CUDA and the attention
         Triton.  ``max_seqs`` and ``max_model_len`` (default: the cache's tokens) bound the graphs'
-        batch sizes and static block tables."""
+        batch sizes and static block tables.
+
+        ``fused_ops``: the decoder layer's small ops fused (:func:`_fused_ops`).  None: where they
+        pay (the C++ ops for quantized weights on the CPU; the Triton ops with the Triton attention
+        on CUDA); True: the Triton ops with the Triton attention on any device (on a CPU under
+        Triton's interpreter: for the tests), else as None; False: never."""
         cfg = model.cfg
         triton = getattr(attention_kernel, "name", None) == "triton"
         supported = attention_kernel is not None and attention_kernel.supports(
@@ -39,8 +46,9 @@ class ModelRunner:
         self.attention_kernel = attention_kernel if supported else None
         self.triton = self.attention_kernel if triton and supported else None
         self.model = model
-        # the fused ops write the cache themselves, by the CPU layout: not with the Triton attention
-        self.fused = _fused_ops(model, device) if self.triton is None else None
+        # the fused ops write the cache themselves (rope_store): the C++ ops with the torch or C++ attention
+        # on the CPU, the Triton ops (``kernels/fused.py``) with the Triton attention; both in its layout
+        self.fused = None if fused_ops is False else _fused_ops(model, device, self.triton is not None, fused_ops)
         self.variants = variants  # several fine-tuned variants in one batch (BlockLLM), or None
         self.block_size = block_size
         self.device = device
@@ -55,6 +63,7 @@ class ModelRunner:
             from .staging import StepStaging
 
             self.staging = StepStaging(device, pin=True)
+        self._timing: Deque[Tuple[Any, Any]] = collections.deque()  # CUDA (start, end) events of recent steps
         self.graphs = None
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda" and self.triton is not None
@@ -66,7 +75,7 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(model, self.kv, self.triton, block_size,
                                        max_model_len or num_blocks * block_size, max_seqs, self.window or 0, device,
-                                       capture=device.type == "cuda")
+                                       capture=device.type == "cuda", fused=self.fused)
 
     def close(self) -> None:
         """Free the per-step buffers and graphs (pinned host memory among them); the cache stays."""
@@ -82,9 +91,32 @@ class ModelRunner:
         c = model.cfg
         return c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * torch.empty(0, dtype=dtype).element_size()
 
+    def forward_seconds(self) -> List[float]:
+        """On CUDA: the GPU seconds of each step whose forward pass finished since the last call, in
+        order (read from its start/end events without waiting).  Elsewhere empty: the caller's own
+        wall clock times the step (``run`` returns when it has run)."""
+        got = []
+        while self._timing and self._timing[0][1].query():
+            start, end = self._timing.popleft()
+            got.append(start.elapsed_time(end) / 1e3)
+        return got
+
     def run(self, batch: Batch) -> Tuple[torch.Tensor, List[int]]:
         """Returns logits [R, V] and, for each row, the index of its chunk in
-        ``batch.chunks`` (only chunks that reach their context's end)."""
+        ``batch.chunks`` (only chunks that reach their context's end).  On CUDA the logits may
+        still be being computed (stream order makes every later use wait)."""
+        if self.device.type != "cuda":
+            return self._run(batch)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        got = self._run(batch)
+        end.record()
+        self._timing.append((start, end))
+        if len(self._timing) > 64:  # nobody reads them: keep a bounded window
+            self._timing.popleft()
+        return got
+
+    def _run(self, batch: Batch) -> Tuple[torch.Tensor, List[int]]:
         for src, dst in batch.copies:  # copy-on-write before anything writes
             self.kv[:, :, :, dst].copy_(self.kv[:, :, :, src])
         if self.graphs is not None and (self.variants is None or len(self.variants) <= 1):
@@ -195,22 +227,41 @@ class ModelRunner:
 
 def _finished(logits: torch.Tensor) -> torch.Tensor:
     """Float32 logits where the model ran: on a GPU the sampler samples there
-    (``sampler.sample_on_device``) and only the ids come to the host.  Returns when the
-    forward pass has finished (the engine times the step: ``iteration_s``)."""
-    logits = logits.float()
-    if logits.is_cuda:
-        torch.cuda.synchronize(logits.device)
-    return logits
+    (``sampler.sample_on_device``) and only the ids come to the host.  On a GPU
+    this returns as soon as the step is queued, not when it has run: the
+    sampler's one copy of ids to the host is the step's only wait, and the
+    engine reads the forward pass's time from CUDA events
+    (:meth:`ModelRunner.forward_seconds`).  A ``torch.cuda.synchronize`` here
+    (as before issue 36) held the host idle for every forward pass."""
+    return logits.float()
 
 
-def _fused_ops(model: LlamaForCausalLM, device: torch.device) -> Optional[Any]:
-    """The fused decode-step ops (:mod:`.cpu_matmul`) where they apply: quantized weights (whose
-    matmuls are not the float32 reference anyway: the dense float32 path stays token-for-token
-    transformers'), float32 activations on the CPU, no q/k norm.  None otherwise or where the
-    kernels cannot be built."""
+def _fused_ops(model: LlamaForCausalLM, device: torch.device, triton: bool = False,
+               asked: Optional[bool] = None) -> Optional[Any]:
+    """The fused ops (``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_store``) where they apply:
+    no q/k norm (qwen3), and
+
+    * with the Triton attention (``triton``): the Triton kernels of :mod:`.kernels.fused` on CUDA
+      (fewer kernel launches per step), or on any device when ``asked`` (the CPU tests, under
+      Triton's interpreter); float32, bfloat16 or float16 activations;
+    * otherwise the C++ ops of :mod:`.cpu_matmul` on the CPU for quantized weights (whose matmuls
+      are not the float32 reference anyway: the dense float32 path stays token-for-token
+      transformers'), float32 activations.
+
+    None otherwise or where the kernels cannot be built.  Batches mixing variants never use them
+    (``ModelRunner.run`` drops them per step)."""
+    if model.cfg.qk_norm:
+        return None
+    dtype = model.norm.weight.dtype
+    if triton:
+        if not (device.type == "cuda" or asked) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
+        from .kernels import fused
+
+        return fused
     if device.type != "cpu" or getattr(model, "weights_format", None) not in ("as-shipped", "int8"):
         return None
-    if model.norm.weight.dtype != torch.float32 or model.cfg.qk_norm:
+    if dtype != torch.float32:
         return None
     from . import cpu_matmul
 

@@ -123,9 +123,10 @@ class AttentionMetadata:
     # attention through the Triton kernels (``native/kernels/attention.py``) and this step's arguments, or None
     triton: Optional[Any] = None                  # a kernels.attention.TritonAttention
     triton_args: Optional[Any] = None             # its TritonStepArgs
-    # the fused float32 ops of ``native/cpu_matmul.py`` (quantized weights on the CPU), or None: eager torch
+    # the fused ops, or None: eager torch.  ``native/cpu_matmul.py``'s (float32, quantized weights on the CPU)
+    # or ``native/kernels/fused.py``'s (Triton, with the Triton attention; float32, bfloat16, float16)
     fused: Optional[Any] = None
-    cos: Optional[torch.Tensor] = None            # [T, head_dim] float32, for the fused rotary embedding
+    cos: Optional[torch.Tensor] = None            # [T, head_dim] (activation dtype), for the fused rotary embedding
     sin: Optional[torch.Tensor] = None
 
 
@@ -327,8 +328,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_forward(self, x, cos, sin, kv_caches, meta: AttentionMetadata, logits_rows) -> torch.Tensor:
         """The same layers with the residual add and the next RMSNorm as one op, SiLU-times-up as
-        one, the rotary embedding and the cache write as one (``meta.fused``): float32, no
-        variants, no q/k norm (the model runner checks)."""
+        one, the rotary embedding and the cache write as one (``meta.fused``: the C++ ops in
+        float32, or the Triton ops in float32/bfloat16/float16), no variants, no q/k norm (the
+        model runner checks).  The residual stream ``x`` is updated in place, in its dtype."""
         ops, eps, T = meta.fused, self.cfg.rms_norm_eps, x.shape[0]
         meta.cos, meta.sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
         x = x.contiguous()  # the residual stream, updated in place
