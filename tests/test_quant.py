@@ -412,8 +412,8 @@ def test_bad_weights_values_are_clear_errors(tiny_dirs, tiny_gguf):
         NativeEngine.load(d, weights="as-shipped")
     with pytest.raises(ValueError, match="weights: bfloat16 with dtype: float32"):
         NativeEngine.load(d, weights="bfloat16", dtype="float32")
-    with pytest.raises(ValueError, match="CPU only"):
-        NativeEngine.load(tiny_gguf[0], weights="as-shipped", device="meta")
+    with pytest.raises(ValueError, match="CPU only"):  # (as-shipped loads dequantized off the CPU: below)
+        NativeEngine.load(d, weights="int8", device="meta")
     from interlace.engine_ext.native.setup import build_native_engine, load_zoo_engine
 
     with pytest.raises(ValueError, match="not supported for zoo variants"):
@@ -456,3 +456,35 @@ def test_auto_dtype_with_quantized_weights_computes_in_float32(monkeypatch):
         assert E.resolve_weights(w, "auto", cpu) == torch.float32
         assert E.resolve_weights(w, None, cpu) == torch.float32
         assert E.resolve_weights(w, "bfloat16", cpu) == torch.bfloat16  # asked for explicitly
+
+
+def test_on_a_gpu_the_default_is_bfloat16_and_as_shipped_loads_dequantized(monkeypatch, tmp_path):
+    """Issue 36: float32 on a GPU halves a decode step's usable bandwidth (and the Triton prefill
+    kernels spill), so a GPU's default compute dtype is bfloat16; the shipped config's ``weights:
+    as-shipped`` (CPU matmul kernels) loads the GGUF dequantized there instead of refusing to start;
+    ``int8`` is refused with one line.  (Device objects only: no CUDA needed.)"""
+    from interlace.engine_ext.native import engine as E
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert E.resolve_weights(None, None, gpu) == torch.bfloat16
+    assert E.resolve_weights(None, None, cpu) == torch.float32  # the CPU keeps the reference numerics
+    assert E.resolve_weights(None, "float32", gpu) == torch.float32  # asked for explicitly
+    assert E.resolve_weights("as-shipped", None, gpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="weights: int8 runs on the CPU only"):
+        E.resolve_weights("int8", None, gpu)
+
+    loaded = {}
+
+    class Probe(E.NativeEngine):  # the load path without starting an engine
+        def __init__(self, model, tok=None, **kw):
+            self.model, self.kw = model, kw
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(E, "resolve_model_dir", lambda p: loaded.setdefault("dequantized_from", p) and tmp_path)
+    monkeypatch.setattr(E, "load_config", lambda d: ({}, None))
+    monkeypatch.setattr(E, "load_model", lambda d, dtype, dev: loaded.setdefault("dense", (dtype, dev)))
+    eng = Probe.load(gguf, weights="as-shipped", device="cuda")
+    assert loaded["dequantized_from"] == gguf and loaded["dense"] == (torch.bfloat16, gpu)
+    assert eng.model == (torch.bfloat16, gpu)

@@ -110,6 +110,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: Dict[int, Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0   # steps served by this path (graph replays, or their eager stand-in)
+        self._copied = None  # CUDA: the event after the last host-to-device copy of the inputs
 
     def padded_size(self, n: int) -> Optional[int]:
         """The captured size that ``n`` rows pad to, or None: more rows than the largest."""
@@ -150,12 +151,17 @@ class DecodeGraphs:
         """Write the rows ``[:b]`` of the host buffer (padding included) and copy them to the device."""
         n = len(lead)
         width = max(len(t) for t in tables)
+        if self._copied is not None:  # the last step's copy may still read the pinned buffer: no device-wide sync
+            self._copied.synchronize()
         self.host[:n, :TABLE] = torch.tensor(lead, dtype=torch.int32)
         self.host[:n, TABLE:TABLE + width] = torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                                          dtype=torch.int32)
         if b > n:  # padded rows: token 0 at position 0, no slot (-1: nothing stored), no keys (nothing read)
             self.host[n:b, :TABLE] = torch.tensor([0, 0, -1, 0], dtype=torch.int32)
         self.static[:b].copy_(self.host[:b], non_blocking=True)
+        if self.capture:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
 
     def _forward(self, b: int) -> torch.Tensor:
         """The padded step of ``b`` rows on the static buffers; the body a graph records.

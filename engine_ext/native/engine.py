@@ -104,9 +104,17 @@ def resolve_weights(weights: Optional[str], dtype: Optional[str], device: torch.
     weights is float32: their matmuls run on float32 activations whatever
     the dtype, so bfloat16 compute only adds conversions and loses the fused
     decode ops (measured on an AVX512-BF16 CPU: 72 against 98 tokens/s at
-    batch 1, docs/benchmarks.md)."""
+    batch 1, docs/benchmarks.md).
+
+    On a GPU the default compute dtype is ``auto`` (bfloat16 where the GPU
+    has it): float32 there halves the bandwidth a decode step can use and
+    the Triton prefill and cascade kernels spill their float32 tiles.  The
+    quantized formats' matmuls are CPU kernels: ``as-shipped`` on a GPU
+    loads the GGUF dequantized (dense in the compute dtype, see
+    :meth:`NativeEngine.load`), so the shipped config starts there too;
+    ``int8`` (made from float weights, only to save CPU memory) is refused."""
     if weights is None:
-        return resolve_dtype(dtype or "float32", device)
+        return resolve_dtype(dtype or ("float32" if device.type == "cpu" else "auto"), device)
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
     if weights in ("float32", "bfloat16"):
@@ -115,8 +123,10 @@ def resolve_weights(weights: Optional[str], dtype: Optional[str], device: torch.
                              f"drop one of the two settings")
         return DTYPES[weights]
     if device.type != "cpu":
-        raise ValueError(f"weights: {weights} runs on the CPU only (aten's and fbgemm's CPU kernels), "
-                         f"not on {device.type}")
+        if weights == "as-shipped":  # dequantized: dense in the compute dtype
+            return resolve_dtype(dtype or "auto", device)
+        raise ValueError(f"weights: {weights} runs on the CPU only (its matmuls are CPU kernels); on "
+                         f"{device.type} leave weights unset (dense, dtype auto: bfloat16)")
     return resolve_dtype("float32" if dtype in (None, "auto") else dtype, device)
 
 
@@ -167,6 +177,11 @@ def _attention_kernel(attention: str, device: torch.device) -> Optional[Any]:
         if kernels.available():
             from .kernels.attention import TritonAttention
 
+            if device.type == "cpu" and not kernels.interpreted():
+                # found by the first GPU run: the compiled kernels were handed CPU tensors
+                raise ValueError("attention: triton with the engine on the CPU: this machine has CUDA, so the "
+                                 "Triton kernels are compiled for the GPU; put the engine on cuda, or use "
+                                 "attention: torch / kernel on the CPU")
             return TritonAttention()
         if attention == "triton":
             raise ValueError("attention: triton needs the triton package (pip install triton)")
@@ -308,8 +323,8 @@ class NativeEngine:
     @classmethod
     def load(cls, model_path: str | Path, *, dtype: Optional[str] = None, device: Optional[str] = None,
              weights: Optional[str] = None, **kw: Any) -> "NativeEngine":
-        """``dtype`` float32 (the default: the reference numerics, token for
-        token equal to transformers), bfloat16, float16, or ``auto``: see
+        """``dtype`` float32 (the default on a CPU: the reference numerics, token
+        for token equal to transformers; ``auto``, bfloat16, on a GPU), bfloat16, float16, or ``auto``: see
         :func:`resolve_dtype`.  ``weights``: how the weight matmuls are
         stored (default: dense in ``dtype``): ``float32``, ``bfloat16``,
         ``int8`` (per output channel, from the float weights) or
@@ -317,6 +332,11 @@ class NativeEngine:
         :func:`resolve_weights` and docs/quantization.md."""
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch_dtype = resolve_weights(weights, dtype, dev)
+
+        if weights == "as-shipped" and dev.type != "cpu":
+            log.warning("weights: as-shipped on %s: the GGUF's quantized matmuls are CPU kernels; loading it "
+                        "dequantized, dense in %s", dev, str(torch_dtype).removeprefix("torch."))
+            weights = None
 
         def build():
             if weights == "as-shipped":
@@ -1097,9 +1117,8 @@ class NativeEngine:
             return
         t0 = time.perf_counter()
         logits, rows = self.runner.run(batch)
-        dt = time.perf_counter() - t0
-        self.stats["forward_s"] += dt
-        self.iteration_s = dt if not self.iteration_s else 0.8 * self.iteration_s + 0.2 * dt
+        if self.device.type != "cuda":
+            self._forward_took(time.perf_counter() - t0)
         self.stats["steps"] += 1
         for ch in batch.chunks:
             ctx = ch.ctx
@@ -1125,6 +1144,14 @@ class NativeEngine:
             ctx.fill_waiters.clear()
         if sampling_ctx:
             self._sample_and_emit(sampling_ctx, logits[sampling_rows])
+        # on CUDA run() only queued the step: its GPU time comes from events, once it has run
+        # (after sampling, whose copy of the ids waited for it; a step that sampled nothing: later)
+        for dt in self.runner.forward_seconds():
+            self._forward_took(dt)
+
+    def _forward_took(self, dt: float) -> None:
+        self.stats["forward_s"] += dt
+        self.iteration_s = dt if not self.iteration_s else 0.8 * self.iteration_s + 0.2 * dt
 
     def _sample_and_emit(self, ctxs: List[Context], logits: torch.Tensor) -> None:
         picks = sample(logits, [c.gen for c in ctxs])

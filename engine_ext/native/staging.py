@@ -10,10 +10,14 @@ steps, grown by doubling when a step needs more) and copied with one
 ``non_blocking`` copy into one device buffer, of which the inputs are views
 (int32 ones cast on the device).
 
-Reuse is safe because every step ends by waiting for the GPU (the model
-runner synchronizes before it returns the step's logits): the copy that read
-the host buffer and the kernels that read the device buffer have finished
-before the next step writes them.
+Reuse without a per-step device synchronize: the host buffer is double
+buffered, and an event recorded after each copy says when the copy that
+read a buffer has finished; a step waits for that event (two steps back:
+in practice long done) before it writes the buffer again.  The device
+buffer needs no such wait: the next copy into it is queued on the same
+stream after the kernels that read it.  (The model runner used to
+synchronize the device at the end of every step to make reuse safe; that
+sync stalled the host for the whole forward pass, issue 36.)
 
 Two phases, since a step's inputs are only all known at the end:
 :meth:`StepStaging.tensor` records values and returns a :class:`Staged`
@@ -45,7 +49,10 @@ class StepStaging:
     def __init__(self, device: torch.device, pin: bool):
         self.device = device
         self.pin = pin
-        self.host = torch.empty(0, dtype=torch.long, pin_memory=pin)
+        # two host buffers, alternated, each with the event of the last copy that read it (CUDA)
+        self._hosts = [torch.empty(0, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._copied: List[Optional[Any]] = [None, None]
+        self._turn = 0
         self.dev = torch.empty(0, dtype=torch.long, device=device)
         self._flat: List[int] = []
         self._parts: List[Tuple[int, int, torch.dtype, Tuple[int, ...]]] = []
@@ -70,13 +77,23 @@ class StepStaging:
     def upload(self) -> List[torch.Tensor]:
         """Copy everything staged since the last upload; returns the device views, in staging order."""
         n = len(self._flat)
-        if n > self.host.numel():
+        i = self._turn
+        self._turn ^= 1
+        if self._copied[i] is not None:  # the copy that last read this host buffer (two uploads ago)
+            self._copied[i].synchronize()
+            self._copied[i] = None
+        if n > self._hosts[i].numel():
             cap = max(1024, 1 << (n - 1).bit_length())
-            self.host = torch.empty(cap, dtype=torch.long, pin_memory=self.pin)
-            self.dev = torch.empty(cap, dtype=torch.long, device=self.device)
+            self._hosts[i] = torch.empty(cap, dtype=torch.long, pin_memory=self.pin)
+        if n > self.dev.numel():
+            self.dev = torch.empty(max(1024, 1 << (n - 1).bit_length()), dtype=torch.long, device=self.device)
+        host = self._hosts[i]
         if n:
-            self.host[:n] = torch.tensor(self._flat, dtype=torch.long)
-            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+            host[:n] = torch.tensor(self._flat, dtype=torch.long)
+            self.dev[:n].copy_(host[:n], non_blocking=True)
+            if self.device.type == "cuda":
+                self._copied[i] = torch.cuda.Event()
+                self._copied[i].record(torch.cuda.current_stream(self.device))
         views = []
         for start, size, dtype, shape in self._parts:
             v = self.dev[start:start + size].view(shape)
@@ -103,9 +120,17 @@ class StepStaging:
 
     def close(self) -> None:
         """Free both buffers (the pinned one is page-locked memory until then)."""
-        self.host = self.dev = None
+        for e in self._copied:
+            if e is not None:
+                e.synchronize()  # a copy still reading a pinned buffer
+        self._hosts, self._copied, self.dev = [], [None, None], None
         self._views = []
 
     @property
+    def host(self) -> Optional[torch.Tensor]:
+        """The host buffer the last upload wrote (None once closed)."""
+        return self._hosts[self._turn ^ 1] if self._hosts else None
+
+    @property
     def capacity(self) -> Optional[int]:
-        return None if self.host is None else self.host.numel()
+        return None if self.dev is None else self.dev.numel()
