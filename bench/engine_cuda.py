@@ -293,9 +293,11 @@ def bench_hf(args, config: dict, dev: torch.device, dtype: torch.dtype, cells: L
 
 def bench_cascade(args, config: dict, dev: torch.device, dtype: torch.dtype) -> List[dict]:
     """Plain paged decode against cascade decode for ``forks`` rows sharing a prefix: seconds per call,
-    the speed-up, and the largest difference between the two outputs."""
-    from interlace.engine_ext.native.kernels.cascade import cascade_decode_attention, find_shared_prefixes
-    from interlace.engine_ext.native.kernels.paged_attention import paged_decode_attention
+    the speed-up, and the largest difference between the two outputs.  Each timed call is the launch
+    alone, no host sync in it: the cascade plan (``plan_cascade``) is built before, as the engine builds
+    it once per step, and plain decode gets its split-K (chosen from the host-known lengths)."""
+    from interlace.engine_ext.native.kernels.cascade import cascade_decode, plan_cascade
+    from interlace.engine_ext.native.kernels.paged_attention import paged_decode_attention, pick_num_splits
 
     heads, hkv = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim") or config["hidden_size"] // heads
@@ -313,13 +315,14 @@ def bench_cascade(args, config: dict, dev: torch.device, dtype: torch.dtype) -> 
         lens = [pre_blocks * BLOCK_SIZE + args.suffix] * forks
         bt = torch.tensor(tables, dtype=torch.int32, device=dev)
         sl = torch.tensor(lens, dtype=torch.int32, device=dev)
-        shared = find_shared_prefixes(tables, lens, BLOCK_SIZE, device=dev)
+        splits = pick_num_splits(max(lens), forks * hkv, dev)
+        plan = plan_cascade(tables, lens, BLOCK_SIZE, device=dev)
         scale = 1 / math.sqrt(d)
-        plain = paged_decode_attention(q, kc, vc, bt, sl, scale)
-        casc = cascade_decode_attention(q, kc, vc, scale=scale, **shared._asdict())
-        t_plain = timed(lambda: paged_decode_attention(q, kc, vc, bt, sl, scale), dev, args.kernel_iters)
-        t_casc = timed(lambda: cascade_decode_attention(q, kc, vc, scale=scale, **shared._asdict()), dev,
-                       args.kernel_iters)
+        plain = paged_decode_attention(q, kc, vc, bt, sl, scale, num_splits=splits)
+        casc = cascade_decode(q, kc, vc, plan, scale)
+        t_plain = timed(lambda: paged_decode_attention(q, kc, vc, bt, sl, scale, num_splits=splits), dev,
+                        args.kernel_iters)
+        t_casc = timed(lambda: cascade_decode(q, kc, vc, plan, scale), dev, args.kernel_iters)
         out.append(dict(forks=forks, prefix=pre_blocks * BLOCK_SIZE, suffix=args.suffix, plain_s=t_plain,
                         cascade_s=t_casc, speedup=t_plain / t_casc,
                         max_abs_diff=float((plain.float() - casc.float()).abs().max())))

@@ -28,8 +28,8 @@ pytest.importorskip("triton")
 
 from interlace.engine_ext.native import kernels  # noqa: E402  (sets TRITON_INTERPRET without CUDA)
 from interlace.engine_ext.native.kernels import reference as ref  # noqa: E402
-from interlace.engine_ext.native.kernels.cascade import (cascade_decode_attention,  # noqa: E402
-                                                         find_shared_prefixes)
+from interlace.engine_ext.native.kernels.cascade import (cascade_decode, cascade_decode_attention,  # noqa: E402
+                                                         find_shared_prefixes, plan_cascade)
 from interlace.engine_ext.native.kernels.paged_attention import (merge_attention,  # noqa: E402
                                                                  paged_decode_attention, store_kv)
 from interlace.engine_ext.native.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
@@ -256,6 +256,28 @@ def test_find_shared_prefixes_and_cascade_equal_plain_decode():
     assert find_shared_prefixes(tables, lens, bs, min_rows=5) is None
     assert find_shared_prefixes([[1, 2], [3, 4]], [20, 20], bs) is None
     assert find_shared_prefixes([[1, 2], [1, 4]], [bs - 1, 20], bs) is None    # block 1 is not full for row 0
+
+
+def test_cascade_plan_with_partitions_launched_twice():
+    """A plan (host lists in, one copy to the device) with several prefix and suffix partitions
+    (forced: the shapes are tiny), a group of 18 rows over two prefix programs, a row in no group;
+    launched twice, since its arrival counters must be left at zero by each launch."""
+    h, hkv, d, bs = 8, 2, 32, 8
+    cache = Cache(hkv, d, bs, 80, F16, seed=4)
+    parent = cache.alloc(5 * bs)
+    lens = [5 * bs + 3 + i for i in range(18)] + [30]
+    tables = [cache.alloc(n, parent) for n in lens[:18]] + [cache.alloc(30)]
+    plan = plan_cascade(tables, lens, bs, device=DEVICE)
+    assert plan.row_group.tolist() == [0] * 18 + [-1] and plan.prefix_lens.tolist() == [5 * bs]
+    plan.prefix_splits, plan.suffix_splits = 3, 2
+    assert plan.config(h, hkv, torch.device(DEVICE)).chunks == 2
+    q = torch.randn(len(lens), h, d).to(F16)
+    kc, vc = cache.to(DEVICE)
+    expected = ref.decode(q, cache.k, cache.v, cache.table(tables), lens, 0.2)[0]
+    for _ in range(2):
+        o = cascade_decode(q.to(DEVICE), kc, vc, plan, 0.2)
+        assert o.dtype == F16
+        close(o, expected, F16)
 
 
 def test_merge_attention_of_disjoint_halves():
