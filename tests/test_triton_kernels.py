@@ -304,6 +304,26 @@ def test_package_runs_interpreted_without_cuda():
     assert kernels.interpreted() == (not torch.cuda.is_available())
 
 
+GPU_IMAGE_TRITON = (3, 6)   # the triton of the GPU image this project's kernels are compiled by (issue 36)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels compile with the triton it has")
+def test_cpu_suite_rehearses_the_gpu_images_triton():
+    """Without CUDA this suite is the rehearsal of the GPU run: it must interpret the kernels with
+    the GPU image's triton release (the `test` extra pins it), so an API that release lacks fails
+    here, and with a NumPy its interpreter works with (3.6 does int() on a one-element array, a
+    TypeError since NumPy 2.4)."""
+    import numpy
+    import triton
+
+    def minor(v: str) -> tuple:
+        return tuple(int(p) for p in v.split(".")[:2])
+
+    assert minor(triton.__version__) == GPU_IMAGE_TRITON, (
+        f"triton {triton.__version__} is not the GPU image's {GPU_IMAGE_TRITON}: run scripts/setup.sh --test")
+    assert minor(numpy.__version__) < (2, 4), f"numpy {numpy.__version__}: triton 3.6's interpreter needs < 2.4"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only used without CUDA")
 def test_kernels_work_when_the_package_is_imported_before_triton():
     """This file imports triton first; a fresh process checks the other order."""

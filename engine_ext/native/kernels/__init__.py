@@ -22,8 +22,9 @@ says whether the kernels can be used.
 Interpreter: on a machine without CUDA the same kernels run under Triton's
 interpreter (``TRITON_INTERPRET=1``, kernels execute as NumPy on CPU
 tensors).  That is how the test suite checks them on CPU-only machines; it is
-far too slow to serve with.  Triton 3.9 reads the flag from the environment
-each time ``triton.knobs.runtime.interpret`` is consulted, and ``@triton.jit``
+far too slow to serve with.  Triton (3.6 -- the GPU image's -- through 3.9)
+reads the flag from the environment each time ``triton.knobs.runtime.interpret``
+is consulted, and ``@triton.jit``
 consults it when a function is *decorated* (it then returns an
 ``InterpretedFunction`` instead of a ``JITFunction``), not when it is
 launched.  So the flag must be in ``os.environ`` before the kernel modules
@@ -40,6 +41,12 @@ then rebuilds them as the interpreter would have -- only on machines without
 CUDA, where compiled-mode Triton cannot run anyway.  An explicit
 ``TRITON_INTERPRET`` in the environment is left alone, and on a machine with
 CUDA nothing is touched, so the kernels compile natively.
+
+Versions: the kernels use only Triton APIs that 3.6 has, and the ``test``
+extra pins ``triton==3.6.*`` so the CPU suite rehearses the GPU image's
+release.  Triton 3.6's interpreter needs NumPy < 2.4 (it ``int()``-s a
+one-element array, a TypeError since NumPy 2.4; 3.7 fixed it), hence the
+extra's ``numpy<2.4``; compiled on a GPU, NumPy's version does not matter.
 """
 
 from __future__ import annotations
