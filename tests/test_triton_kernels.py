@@ -374,7 +374,7 @@ def test_engine_with_triton_attention_generates_what_the_torch_path_does(tiny_di
     got = {}
     for attention in ("triton", "torch"):
         with NativeEngine.load(model_dir, block_size=4, kv_cache_tokens=512, max_batched_tokens=8,
-                               attention=attention) as eng:
+                               attention=attention, dtype="float32") as eng:  # (a GPU's default: bfloat16)
             assert (eng.runner.triton is not None) == (attention == "triton")
             got[attention] = asyncio.run(run(eng))
             assert eng.blocks.stats["prefix_hit_blocks"] >= 4  # "again" started from cached blocks
