@@ -62,6 +62,14 @@ def bench_native(engine, batch: List[List[int]], new: int) -> Dict[str, float]:
     async def go():
         t0 = time.perf_counter()
         await asyncio.gather(*(engine.fill(f"b{i}", p) for i, p in enumerate(batch)))
+        # on a GPU a fill returns once its steps are queued, not run (no step waits for the device but
+        # for its sampled ids): wait for them, or the prefill's tail is timed as decode (the first GPU
+        # run's 351% of the matmul ceiling for prefill was that)
+        device = getattr(engine, "device", None)
+        if getattr(device, "type", None) == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
         t1 = time.perf_counter()
 
         async def drain(i):

@@ -28,9 +28,15 @@ N(0, 0.02), norms 1, in bfloat16 on the device.  For each shape:
 * with ``--profile-dir``, each shape's profile for the simulator (what
   ``interlace profile`` writes: forward times by batch tokens, swap
   bandwidth, saturation point), measured on the benchmark's engine.
-* Hugging Face transformers ``generate`` (greedy) on the same GPU, the same
-  shape (its own random weights) and the same batches and lengths; a cell
-  that runs out of memory says so.
+* Hugging Face transformers on the same GPU, the same shape (its own random
+  weights) and the same batches and lengths (``--hf-batches``: only those):
+  the prompt prefilled once, then greedy steps of one token on its KV cache,
+  the decode steps timed alone and best of ``--repeat``, with its own
+  fraction of the bandwidth limit; a cell that runs out of memory says so.
+
+The JSON (``--json``) is rewritten after every cell, so a failure or a
+timeout later keeps what was measured; a part that raises is recorded
+(``decode_error``, ``hf_error``, ``cascade_error``) and the next part runs.
 
     interlace bench engine --device cuda [--shapes qwen2.5-0.5b llama-3.2-1b llama-3-8b]
         [--batches 1 8 32 128 256] [--contexts 512 2048] [--new 32] [--no-hf]
@@ -187,7 +193,8 @@ def fits(dev: torch.device, need: int, headroom: int, budget: Optional[float]) -
     return need + headroom <= free
 
 
-def bench_decode(args, name: str, config: dict, dev: torch.device, dtype: torch.dtype) -> List[dict]:
+def bench_decode(args, name: str, config: dict, dev: torch.device, dtype: torch.dtype,
+                 cells: Optional[List[dict]] = None, save=lambda: None) -> List[dict]:
     """The native engine's cells (decode, the bound, prefill) for one shape."""
     from interlace.bench.engine import bench_native, prompts
     from interlace.engine_ext.native.engine import NativeEngine
@@ -196,7 +203,9 @@ def bench_decode(args, name: str, config: dict, dev: torch.device, dtype: torch.
     cfg = model.cfg
     kvt = kv_bytes_per_token(cfg, dtype)
     wbytes = weight_bytes_read(model)
-    cells = [dict(batch=b, context=c) for c in args.contexts for b in args.batches]
+    if cells is None:
+        cells = []
+    cells += [dict(batch=b, context=c) for c in args.contexts for b in args.batches]
     for cell in cells:  # each row's blocks, and one more (slack: no cell may need to preempt)
         cell["kv_tokens"] = cell["batch"] * (-(-(cell["context"] + args.new) // BLOCK_SIZE) + 1) * BLOCK_SIZE
     # headroom: activations of a prefill chunk and the logits of a batch (float32, a few copies), 2 GiB more
@@ -227,6 +236,7 @@ def bench_decode(args, name: str, config: dict, dev: torch.device, dtype: torch.
                      prefill_tflops=best["prefill"] * prefill_flops_per_token(model, c["context"]) / 1e12)
             print(f"{name} b={c['batch']} ctx={c['context']}: decode {best['decode']:.1f} tok/s "
                   f"({c['fraction']:.0%} of the bandwidth limit)", file=sys.stderr)
+            save()
     finally:
         engine.close()
     try:
@@ -255,8 +265,36 @@ def write_profile(args, name: str, model, dev: torch.device) -> None:
     print(f"{name}: profile for interlace sim written to {out}", file=sys.stderr)
 
 
-def bench_hf(args, config: dict, dev: torch.device, dtype: torch.dtype, cells: List[dict]) -> None:
-    """transformers ``generate`` on the same cells: ``hf_tok_s``, or ``hf_skipped``."""
+def hf_decode(model, ids: torch.Tensor, new: int, dev: torch.device) -> Dict[str, float]:
+    """transformers' own forward, timed as the engine is: the prompt prefilled once (timed alone), then
+    ``new - 1`` greedy steps of one token each on its KV cache (``past_key_values``), timed together.
+    (``generate`` timed twice and subtracted, as before issue 36, counted two prefills' noise into
+    decode.)  Returns prefill tokens/s, decode tokens/s and the tokens, for a check."""
+    with torch.no_grad():
+        sync(dev)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        past = out.past_key_values
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync(dev)
+        t1 = time.perf_counter()
+        toks = [tok]
+        for _ in range(new - 1):
+            out = model(input_ids=tok, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            toks.append(tok)
+        sync(dev)
+        t2 = time.perf_counter()
+    b = ids.shape[0]
+    return {"prefill": b * ids.shape[1] / (t1 - t0), "decode": b * (new - 1) / (t2 - t1),
+            "tokens": torch.cat(toks, 1).tolist()}
+
+
+def bench_hf(args, config: dict, dev: torch.device, dtype: torch.dtype, cells: List[dict],
+             save=lambda: None) -> None:
+    """transformers on the same cells (``--hf-batches`` only, if set): ``hf_tok_s`` and its own
+    ``hf_fraction`` of the bandwidth limit, or ``hf_skipped``; best of ``--repeat`` after a warm-up."""
     from interlace.bench.engine import prompts
 
     model = hf_model(config, dtype, dev)
@@ -265,25 +303,20 @@ def bench_hf(args, config: dict, dev: torch.device, dtype: torch.dtype, cells: L
             if "skipped" in c:
                 c["hf_skipped"] = c["skipped"]
                 continue
+            if args.hf_batches and c["batch"] not in args.hf_batches:
+                continue
             ids = torch.tensor(prompts(config["vocab_size"], c["batch"], c["context"], seed=100), device=dev)
-            kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
             try:
-                with torch.no_grad():
-                    model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
-                    sync(dev)
-                    t0 = time.perf_counter()
-                    model.generate(ids, max_new_tokens=1, **kw)
-                    sync(dev)
-                    t1 = time.perf_counter()
-                    out = model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, **kw)
-                    sync(dev)
-                    t2 = time.perf_counter()
-                assert out.shape[1] == ids.shape[1] + args.new
-                c["hf_tok_s"] = c["batch"] * (args.new - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+                hf_decode(model, ids[:, :16], 2, dev)  # warm-up
+                best = max(hf_decode(model, ids, args.new, dev)["decode"] for _ in range(args.repeat))
+                c["hf_tok_s"] = best
+                if "bound_tok_s" in c:
+                    c["hf_fraction"] = best / c["bound_tok_s"]
             except torch.cuda.OutOfMemoryError:
                 c["hf_skipped"] = "out of memory"
                 gc.collect()
                 torch.cuda.empty_cache()
+            save()
     finally:
         del model
         gc.collect()
@@ -370,7 +403,7 @@ def report(res: dict) -> str:
         lines += [f"### {name} ({s['params'] / 1e6:,.1f} M parameters, {s['kv_bytes_per_token'] / 1024:g} KiB of KV "
                   "per token)", "",
                   "| batch | context | interlace decode tok/s | bandwidth limit tok/s | fraction "
-                  "| transformers tok/s | interlace / transformers | prefill TFLOP/s (of matmul) |",
+                  "| transformers tok/s (fraction) | interlace / transformers | prefill TFLOP/s (of matmul) |",
                   "|---|---|---|---|---|---|---|---|"]
         for c in s["decode"]:
             if "skipped" in c:
@@ -379,9 +412,12 @@ def report(res: dict) -> str:
             hf = c.get("hf_tok_s")
             lines.append(
                 f"| {c['batch']} | {c['context']} | {c['decode_tok_s']:.1f} | {c['bound_tok_s']:.1f} "
-                f"| {c['fraction']:.0%} | {fmt(hf) if hf else c.get('hf_skipped', '-')} "
+                f"| {c['fraction']:.0%} | {fmt(hf) + ' (' + format(c['hf_fraction'], '.0%') + ')' if hf else c.get('hf_skipped', '-')} "
                 f"| {fmt(c['decode_tok_s'] / hf, '.2f') + 'x' if hf else '-'} "
                 f"| {c['prefill_tflops']:.2f} ({c['prefill_tflops'] / res['matmul_tflops']:.0%}) |")
+        for part in ("decode_error", "hf_error", "cascade_error"):
+            if s.get(part):
+                lines += ["", f"{part.replace('_', ' ')}: {s[part]}"]
         if s.get("cascade"):
             lines += ["", "| forks | prefix | suffix | paged decode ms | cascade ms | speed-up | max diff |",
                       "|---|---|---|---|---|---|---|"]
@@ -442,6 +478,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--kernel-iters", type=int)
     ap.add_argument("--kv-budget-mib", type=float, help="at most this much KV cache (default: what fits)")
     ap.add_argument("--no-hf", action="store_true", help="leave out the transformers peer")
+    ap.add_argument("--hf-batches", type=int, nargs="+", help="run the transformers peer at these batch sizes "
+                                                              "only (default: every cell)")
     ap.add_argument("--json", help="write the results as JSON here")
     ap.add_argument("--plot", help="save a PNG plot of decode tokens/s here")
     ap.add_argument("--profile-dir", help="also write each shape's profile for the simulator here "
@@ -481,6 +519,13 @@ def run(args: argparse.Namespace) -> int:
     res: dict = {"machine": {**machine(), **gpu_description(dev)}, "versions": versions(), "device": args.device,
                  "dtype": str(dtype).replace("torch.", ""), "copy_bandwidth_gb_s": args.bandwidth / 1e9,
                  "matmul_n": n, "matmul_tflops": tflops, "new": args.new, "repeat": args.repeat, "shapes": {}}
+    def save() -> None:  # after every cell: an exception or a timeout later loses nothing measured
+        if args.json:
+            tmp = Path(args.json).with_suffix(".tmp")
+            tmp.write_text(json.dumps(res, indent=1))
+            tmp.replace(args.json)
+
+    save()
     for name in args.shapes:
         config = SHAPES[name]
         from interlace.engine_ext.native.models.llama import LlamaForCausalLM, ModelConfig
@@ -488,18 +533,33 @@ def run(args: argparse.Namespace) -> int:
         cfg = ModelConfig.from_hf(config)
         with torch.device("meta"):
             params = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+        shape = res["shapes"][name] = {"config": config, "params": params,
+                                       "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype), "decode": [],
+                                       "cascade": []}
         print(f"{name}: native engine", file=sys.stderr)
-        cells = bench_decode(args, name, config, dev, dtype)
+        try:
+            bench_decode(args, name, config, dev, dtype, shape["decode"], save)
+        except Exception as e:  # noqa: BLE001 - recorded, and the shape's other parts still run
+            shape["decode_error"] = f"{type(e).__name__}: {e}"
+            print(f"{name}: native engine failed: {shape['decode_error']}", file=sys.stderr)
+        save()
         if not args.no_hf:
             print(f"{name}: transformers", file=sys.stderr)
-            bench_hf(args, config, dev, dtype, cells)
+            try:
+                bench_hf(args, config, dev, dtype, shape["decode"], save)
+            except Exception as e:  # noqa: BLE001
+                shape["hf_error"] = f"{type(e).__name__}: {e}"
+                print(f"{name}: transformers failed: {shape['hf_error']}", file=sys.stderr)
+            save()
         print(f"{name}: cascade kernels", file=sys.stderr)
-        res["shapes"][name] = {"config": config, "params": params,
-                               "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype),
-                               "decode": cells, "cascade": bench_cascade(args, config, dev, dtype)}
+        try:
+            shape["cascade"] = bench_cascade(args, config, dev, dtype)
+        except Exception as e:  # noqa: BLE001
+            shape["cascade_error"] = f"{type(e).__name__}: {e}"
+            print(f"{name}: cascade failed: {shape['cascade_error']}", file=sys.stderr)
+        save()
     print(report(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    save()
     if args.plot:
         plot(res, args.plot)
         print(f"plot saved to {args.plot}")
