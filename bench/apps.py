@@ -93,7 +93,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import httpx
 
-from interlace.bench import describe_machine, machine as machine_description
+from interlace.engine_ext.machine import describe_machine, machine as machine_description
 
 DATA = Path(__file__).resolve().parent / "data" / "declaration_lincoln.txt"
 MODEL = "smollm2"
@@ -825,7 +825,7 @@ def _main(args: argparse.Namespace) -> int:
 
     from interlace.engine_ext.embedded import embedded_model_dir
     from interlace.engine_ext.native.loader import load_config
-    from interlace.engine_ext.native.tokenizer import Tokenizer
+    from interlace.engine_ext.tokenizer import Tokenizer
 
     d = embedded_model_dir()
     tok = Tokenizer(d, load_config(d)[0])

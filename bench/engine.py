@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from interlace.bench import describe_machine, machine as machine_description
+from interlace.engine_ext.machine import describe_machine, machine as machine_description
 
 def prompts(vocab_size: int, n: int, length: "int | tuple", seed: int) -> List[List[int]]:
     """``n`` prompts of random token ids (clear of the special tokens at both
@@ -142,7 +142,7 @@ def bench_llama_cpp(llm, batch: List[List[int]], new: int) -> Optional[Dict[str,
 
 def machine() -> Dict[str, object]:
     """The machine as recorded with the results: the CPU with its ISA flags
-    (:func:`interlace.bench.machine`), torch's threads, version and the CPU
+    (:func:`interlace.engine_ext.machine.machine`), torch's threads, version and the CPU
     kernel level it dispatches to, and the GPU if one is used."""
     import torch
 

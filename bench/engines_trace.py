@@ -112,7 +112,7 @@ def build_engine(name: str, model: str, threads: int = 0, kv_tokens: Optional[in
     every engine's KV cache, in tokens (None: each engine's default) -- vLLM
     gets whole blocks of its block size (128 on its CPU build), and each
     worker replica a share."""
-    from interlace.gateway.config import PolicySpec
+    from interlace.engine_ext.policies import PolicySpec
 
     vllm_blocks = -(-kv_tokens // VLLM_CPU_BLOCK) if kv_tokens else None
     native_kv = kv_tokens or 16384
@@ -206,7 +206,7 @@ def run_engines(args: Any, base: Any, rates: List[float], per_rate: Callable[[An
     from interlace.engine_ext.embedded import embedded_model_dir
     from interlace.engine_ext.sim import traces
 
-    from . import describe_machine, machine
+    from interlace.engine_ext.machine import describe_machine, machine
     from .trace import plot_rates, print_table
 
     names = parse_engines(args.engines)

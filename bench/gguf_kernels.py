@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from interlace.bench import describe_machine
+from interlace.engine_ext.machine import describe_machine
 from interlace.bench.engine import machine
 from interlace.engine_ext.native import cpu_matmul
 

@@ -91,7 +91,7 @@ def chain_summary_chain(llm: Any, n: int) -> Any:
 
 def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
     from interlace.engine_ext.embedded import embedded_model_dir
-    from interlace.engine_ext.native.tokenizer import Tokenizer
+    from interlace.engine_ext.tokenizer import Tokenizer
     from interlace.sdk.langchain import ChatInterlace, to_semantic
 
     sizes = QUICK if args.quick else FULL

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from interlace.bench import describe_machine, machine
+from interlace.engine_ext.machine import describe_machine, machine
 
 from interlace.parsers import (
     HermesParser,

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from interlace.bench import describe_machine, machine as machine_description
+from interlace.engine_ext.machine import describe_machine, machine as machine_description
 
 PROMPTS = [
     "What is the capital of France?",

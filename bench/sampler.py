@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from interlace.bench import describe_machine
+from interlace.engine_ext.machine import describe_machine
 from interlace.bench.engine import machine
 from interlace.engine_ext.native import sampler
 from interlace.engine_ext.native.sampler import sample as new_sample

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from interlace import Granularity, Tool, hookimpl
-from interlace.bench import describe_machine, machine
+from interlace.engine_ext.machine import describe_machine, machine
 from interlace.bench.asgi import post_sse
 from interlace.bench.pairs import Pair, Timing, concurrency, pair, summarize_pairs
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from interlace.bench import describe_machine, machine as machine_description
+from interlace.engine_ext.machine import describe_machine, machine as machine_description
 
 
 class BenchError(ValueError):
@@ -226,7 +226,7 @@ def _supports(fn, name: str) -> bool:
 
 async def _drive_request(engine, req, t0: float, *, marker: Tuple[int, str], vocab: int, seed: int,
                          time_scale: float, hint_cls, records: list, problems: list) -> None:
-    from interlace.engine_ext.forced import ForcedOutput
+    from interlace.engine_ext.constraints.forced import ForcedOutput
     from interlace.engine_ext.protocol import SamplingParams
     from interlace.engine_ext.sim.metrics import RequestRecord
 
@@ -351,7 +351,7 @@ def load_native_model(model: Optional[str], dtype: str = "float32"):
     from interlace.engine_ext.embedded import embedded_model_dir
     from interlace.engine_ext.native.engine import _in_passing_thread, resolve_dtype
     from interlace.engine_ext.native.loader import load_config, load_model, resolve_model_dir
-    from interlace.engine_ext.native.tokenizer import Tokenizer
+    from interlace.engine_ext.tokenizer import Tokenizer
 
     def build():
         d = resolve_model_dir(model) if model else embedded_model_dir()

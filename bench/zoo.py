@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import describe_machine, machine
+from interlace.engine_ext.machine import describe_machine, machine
 
 RANKS = (8, 16, 32, 64)
 PROMPTS = [
@@ -295,7 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         t = time.perf_counter()
         prep = prepare(work, max(ns or [0]), args.lora_adapters, args.seed)
         print(f"generated and added {len(prep['infos']) - 1} variants in {time.perf_counter() - t:.0f} s")
-        from interlace.engine_ext.native.tokenizer import Tokenizer
+        from interlace.engine_ext.tokenizer import Tokenizer
         from interlace.engine_ext.zoo import Zoo
 
         z = Zoo(prep["zoo"])

@@ -479,7 +479,7 @@ def load_openai_engine(engine: Dict[str, Any], tokenizer_path: str, policy: Any 
     interception is always discard with prefix reuse."""
     import httpx
 
-    from .native.tokenizer import Tokenizer
+    from .tokenizer import Tokenizer
     from .policies import ToolDurations, make_interception
 
     url = str(engine.get("url") or "")

@@ -527,7 +527,7 @@ class RequestEngine:
         n = len((parent or ctx).token_ids)
         if n >= self.max_model_len:
             raise E.ContextTooLong(f"context of {n} tokens leaves no room to generate (limit {self.max_model_len})")
-        from .native.tokenizer import IncrementalDetokenizer
+        from .tokenizer import IncrementalDetokenizer
 
         detok = IncrementalDetokenizer(self.tokenizer, (parent or ctx).token_ids, sampling.skip_special_tokens)
         gen = _Gen(sampling, emit, detok, hint)

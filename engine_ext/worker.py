@@ -628,7 +628,7 @@ def _load_tokenizer(model_dir: Path) -> Any:
         return None
     import json
 
-    from .native.tokenizer import Tokenizer
+    from .tokenizer import Tokenizer
 
     cfg_path = model_dir / "config.json"
     raw = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}

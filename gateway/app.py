@@ -6,7 +6,7 @@
     GET  /v1/plugins           installed plugins, their tools and versions
     GET  /metrics              Prometheus metrics
     GET  /openapi.json         the OpenAPI document of every endpoint
-    /v1/sessions/...           Semantic Variables (gateway/semantic_api.py)
+    /v1/sessions/...           Semantic Variables (gateway/semantic/routes.py)
 """
 
 from __future__ import annotations
@@ -32,19 +32,19 @@ from ..engine_ext.errors import ContextTooLong, EngineClosed, EngineError, Engin
 from ..engine_ext.native.setup import ZOO_PREFIX, engine_profile  # noqa: F401  (engine_profile: moved there)
 from ..engine_ext.variant_engine import VariantEngine
 from . import http_guard as guard_
-from . import openai_api as api
-from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
+from .openai import wire as api
+from .openai.completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
 from .config import ConfigError, GatewayConfig, ModelSpec, engine_dict
 from .http_guard import ClientGone
 from ..engine_ext.policies import OutputLengths, ToolDurations
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openapi import openapi_document
-from .plan import build_plan
+from .openai.plan import build_plan
 from .config import may_use_tool
-from .retention import RetentionStore
-from .semantic import Services
-from .semantic_api import build_routes as semantic_routes
-from .sessions import SessionStore
+from .openai.retention import RetentionStore
+from .semantic.graph import Services
+from .semantic.routes import build_routes as semantic_routes
+from .semantic.sessions import SessionStore
 
 T = TypeVar("T")
 
@@ -86,7 +86,7 @@ class ModelServer:
 
     def grammar(self) -> Any:
         if self._grammar is None:
-            from .constrained import GrammarCompiler
+            from ..engine_ext.constraints.grammar import GrammarCompiler
 
             self._grammar = GrammarCompiler(self.tokenizer, vocab_size=self.engine.vocab_size)
         return self._grammar
@@ -106,19 +106,19 @@ class Gateway:
         self.host: Any = None
         self.runtime: Any = None
         self.parsers: Any = None
-        self.services: Any = None  # what semantic calls run on (gateway/semantic.py)
-        self.sessions: Any = None  # Semantic Variables sessions (gateway/sessions.py)
-        self.mcp: Any = None  # the MCP servers whose tools are served (gateway/mcp_client.py)
+        self.services: Any = None  # what semantic calls run on (gateway/semantic/graph.py)
+        self.sessions: Any = None  # Semantic Variables sessions (gateway/semantic/sessions.py)
+        self.mcp: Any = None  # the MCP servers whose tools are served (gateway/mcp/client.py)
 
     async def start(self, app: Starlette) -> None:
         from ..parsers.base import ParserRegistry
         from .plugin_host import BUILTIN_PLUGINS, PluginHost
-        from .tool_runtime import ToolRuntime
+        from .tools.runtime import ToolRuntime
 
         cfg = self.config
         try:
             if cfg.mcp_servers:  # first: their tools are registered with the others
-                from .mcp_client import McpHub
+                from .mcp.client import McpHub
 
                 self.mcp = McpHub(cfg.mcp_servers)
                 await self.mcp.start()
@@ -148,7 +148,7 @@ class Gateway:
                     engine = VariantEngine(engine, spec.path[len(ZOO_PREFIX):])
                 interception = getattr(engine, "interception", None)
                 durations = getattr(interception, "durations", None) or ToolDurations()
-                retention = spec.policy.retention
+                retention = spec.retention
                 store = (RetentionStore(engine, spec.name, retention, self.metrics, gaps=durations) if retention.enabled
                          and retention.max_contexts > 0 and retention.max_tokens > 0 else None)
                 self.models[spec.name] = ModelServer(spec.name, spec, engine, self.parsers.get(spec.parser),

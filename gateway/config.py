@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import jsonschema
 import yaml
 
-from ..engine_ext.policies import INTERCEPTION_NAMES, RANKING_NAMES
+from ..engine_ext.policies import INTERCEPTION_NAMES, RANKING_NAMES, PolicySpec
 
 ENV_PREFIX = "os.environ/"
 
@@ -278,20 +278,6 @@ class RetentionSpec:
     ttl_s: float = 600.0
 
 
-@dataclass(frozen=True)
-class PolicySpec:
-    """One model's scheduling policy (names resolved by ``engine_ext.policies``)."""
-
-    interception: str = "infercept"
-    ranking: str = "lamps"
-    starvation_threshold: int = 100
-    refresh_interval: int = 1
-    profile: str = "auto"          # "auto", a built-in profile name or a profile file
-    swap_space_tokens: int = 16384
-    prefix_caching: bool = True
-    retention: RetentionSpec = field(default_factory=RetentionSpec)
-
-
 @dataclass
 class ModelSpec:
     """``engine`` is the first replica's kind and ``engine_args`` the model-level native
@@ -305,6 +291,7 @@ class ModelSpec:
     engine_args: Dict[str, Any]
     policy: PolicySpec = field(default_factory=PolicySpec)
     replicas: List[Dict[str, Any]] = field(default_factory=list)
+    retention: RetentionSpec = field(default_factory=RetentionSpec)
 
     def __repr__(self) -> str:  # never print a remote replica's secret
         shown = [{k: ("***" if k == "api_key" else v) for k, v in r.items()} for r in self.replicas]
@@ -395,7 +382,7 @@ def _mcp_servers(raw: Dict[str, Any], source: str) -> Dict[str, McpServerSpec]:
 
 @dataclass(frozen=True)
 class SessionsConfig:
-    """``server.sessions``: Semantic Variables sessions (gateway/sessions.py)."""
+    """``server.sessions``: Semantic Variables sessions (gateway/semantic/sessions.py)."""
 
     enabled: bool = True
     ttl_s: float = 600.0
@@ -494,9 +481,11 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                        if k not in ("engine", "replicas", "path", "parser", *POLICY_PROPERTIES)}
         own = {k: v for k, v in m.items() if k in POLICY_PROPERTIES}
         policy = _policy(defaults, own, m["kv_cache_tokens"], f"models.{name}", source)
+        retention = _retention(defaults, own, m["kv_cache_tokens"])
         replicas = _replicas(data["models"][name], m["path"], engine_args, f"models.{name}", source,
                              sized=bool(_CACHE_SIZING & set(data["models"][name])))
-        models[name] = ModelSpec(name, replicas[0]["kind"], m["path"], m["parser"], engine_args, policy, replicas)
+        models[name] = ModelSpec(name, replicas[0]["kind"], m["path"], m["parser"], engine_args, policy, replicas,
+                                 retention)
     return GatewayConfig(host=server["host"], port=server["port"], api_keys=_api_keys(server, source),
                          server_tools=server["server_tools"], replay=server["replay"],
                          cors_origins=list(server["cors_origins"]),
@@ -564,8 +553,6 @@ def _policy(defaults: Dict[str, Any], own: Dict[str, Any], kv_cache_tokens: int,
     """A model's policy: its own keys over the ``engine:`` section's over the defaults.
     A profile file is read now, so a bad one stops start-up with its name."""
     p = {**POLICY_DEFAULTS, **defaults, **own}
-    retention = {**RETENTION_DEFAULTS, "max_tokens": kv_cache_tokens // 2, **(defaults.get("retention") or {}),
-                 **(own.get("retention") or {})}
     if p["profile"] != "auto":
         from ..engine_ext.policies import Profile, ProfileError
 
@@ -577,9 +564,16 @@ def _policy(defaults: Dict[str, Any], own: Dict[str, Any], kv_cache_tokens: int,
     return PolicySpec(interception=p["interception"], ranking=p["ranking"],
                       starvation_threshold=p["starvation_threshold"], refresh_interval=p["refresh_interval"],
                       profile=p["profile"], swap_space_tokens=p.get("swap_space_tokens", kv_cache_tokens),
-                      prefix_caching=p["prefix_caching"],
-                      retention=RetentionSpec(enabled=retention["enabled"], max_contexts=retention["max_contexts"],
-                                              max_tokens=retention["max_tokens"], ttl_s=float(retention["ttl_s"])))
+                      prefix_caching=p["prefix_caching"])
+
+
+def _retention(defaults: Dict[str, Any], own: Dict[str, Any], kv_cache_tokens: int) -> RetentionSpec:
+    """A model's retention of client-side tool calls' contexts (a gateway setting, written
+    beside the engine policy in YAML): its own keys over the ``engine:`` section's over the defaults."""
+    r = {**RETENTION_DEFAULTS, "max_tokens": kv_cache_tokens // 2, **(defaults.get("retention") or {}),
+         **(own.get("retention") or {})}
+    return RetentionSpec(enabled=r["enabled"], max_contexts=r["max_contexts"], max_tokens=r["max_tokens"],
+                         ttl_s=float(r["ttl_s"]))
 
 
 def load_config(path: str | os.PathLike) -> GatewayConfig:

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .config import ApiKey, GatewayConfig, ServerTools, may_use_tool
-from .openai_api import APIError
+from .openai.wire import APIError
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ class Metrics:
         # per engine replica (engine_ext/replicas.py; an engine alone is replica "0"), read at scrape time
         self.replicas = ReplicaCollector()
         r.register(self.replicas)
-        # client-side tool calls: contexts retained for the follow-up request (gateway/retention.py)
+        # client-side tool calls: contexts retained for the follow-up request (gateway/openai/retention.py)
         self.retention_hits = Counter("interlace_retention_hits", "Requests that adopted a retained context",
                                       ["model"], registry=r)
         self.retention_misses = Counter("interlace_retention_misses", "Requests with no retained context to adopt",
@@ -47,7 +47,7 @@ class Metrics:
         self.retention_tokens = Gauge("interlace_retention_tokens", "Tokens of the contexts retained now",
                                       ["model"], registry=r)
 
-        # Semantic Variables (gateway/semantic.py)
+        # Semantic Variables (gateway/semantic/graph.py)
         self.sessions = Gauge("interlace_sessions", "Semantic Variables sessions open now", registry=r)
         self.semantic_calls = Counter("interlace_semantic_calls", "Semantic calls finished", ["kind", "outcome"],
                                       registry=r)

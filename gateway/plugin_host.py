@@ -38,9 +38,9 @@ from typing import Any
 import pluggy
 
 from ..parsers.formats import FormatError, check_format
-from . import hookspecs
-from .hookspecs import PROJECT, Veto
-from .tools import COMMON_SETTINGS, Tool, ToolVetoed
+from .. import hookspecs
+from ..hookspecs import PROJECT, Veto
+from .tools.base import COMMON_SETTINGS, Tool, ToolVetoed
 
 __all__ = [
     "PluginHost",
@@ -416,7 +416,7 @@ class PluginHost:
     def before_tool_execution(self, tool_name: str, arguments: dict[str, Any], request: Any = None) -> str | None:
         """The runtime's policy: ``None`` to allow the call, else the message that refuses it.
 
-        Matches :data:`interlace.gateway.tool_runtime.Policy`, so a runtime can
+        Matches :data:`interlace.gateway.tools.runtime.Policy`, so a runtime can
         take ``policy=host.before_tool_execution``.  A plugin that breaks the
         hook's contract refuses the call (fail closed) with an error naming it.
         """
@@ -442,8 +442,8 @@ class PluginHost:
         self.pm.hook.startup(app=app)
 
     def create_runtime(self, **kwargs: Any) -> Any:
-        """A :class:`~interlace.gateway.tool_runtime.ToolRuntime` for the enabled tools, with this host's policy."""
-        from .tool_runtime import ToolRuntime
+        """A :class:`~interlace.gateway.tools.runtime.ToolRuntime` for the enabled tools, with this host's policy."""
+        from .tools.runtime import ToolRuntime
 
         return ToolRuntime(self.tools(), policy=self.before_tool_execution, **kwargs)
 

@@ -15,8 +15,8 @@ Importing this package does not import torch (nor the engine): a plugin
 package's own tests need only ``interlace`` and its light dependencies.
 """
 
-from .gateway.hookspecs import Veto, hookimpl
-from .gateway.tools import (COMMON_SETTINGS, AsyncTool, Granularity, InvalidToolArguments, Tool, ToolCancelled,
+from .hookspecs import Veto, hookimpl
+from .gateway.tools.base import (COMMON_SETTINGS, AsyncTool, Granularity, InvalidToolArguments, Tool, ToolCancelled,
                             ToolConfigError, ToolCrashed, ToolError, ToolTimeout, ToolUnavailable, ToolVetoed,
                             UnknownTool)
 from .gateway.plugin_host import DuplicateRegistration, PluginHookError, PluginHost, PluginLoadError

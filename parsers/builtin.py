@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pluggy
 
-from ..gateway import hookspecs
-from ..gateway.hookspecs import hookimpl
+from .. import hookspecs
+from ..hookspecs import hookimpl
 from .base import ParserFactory, ParserRegistry, StreamingParser
 from .code import MarkdownCodeParser
 from .json_formats import HermesParser, Llama3JsonParser, MistralParser

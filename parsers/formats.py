@@ -7,8 +7,8 @@ tool result look in the transcript, the markers after which a call is complete
 (the engine's ``pause_on`` for server-side tools), the special tokens the
 parser must see in the decoded text, and the grammar that forces calls for
 ``tool_choice: "required"`` / a named function.  This is the one definition of
-each format: the prompt renderer (``gateway/chat.py``) and constrained
-decoding (``gateway/constrained.py``) only ever ask the format.
+each format: the prompt renderer (``gateway/prompt.py``) and constrained
+decoding (``engine_ext/constraints/grammar.py``) only ever ask the format.
 
 A third-party parser plugin supplies the same: a parser class with a
 ``format`` attribute implementing :class:`ToolFormat`'s methods (subclassing it
@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the grammar side needs torch/llguidance; the parsers must not
-    from ..gateway.constrained import Grammar, GrammarCompiler
+    from ..engine_ext.constraints.grammar import Grammar, GrammarCompiler
 
 
 class FormatError(TypeError):
@@ -45,7 +45,7 @@ def _functions_json(functions: Iterable[Mapping[str, Any]]) -> str:
 
 
 def _grammar_error(msg: str) -> Exception:
-    from ..gateway.constrained import GrammarError
+    from ..engine_ext.constraints.grammar import GrammarError
 
     return GrammarError(msg)
 

@@ -54,7 +54,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
 from interlace import Granularity, Tool, ToolConfigError
-from interlace.gateway.tool_worker import CPUTimeExceeded, set_hard_limit  # shared with every worker
+from interlace.gateway.tools.worker import CPUTimeExceeded, set_hard_limit  # shared with every worker
 
 __all__ = ["PythonTool", "probe_isolation", "isolate_network", "NETWORK_ISOLATION_LABELS"]
 

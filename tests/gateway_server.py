@@ -91,7 +91,7 @@ def serve_subprocess(config: dict, root: Path) -> Iterator[str]:
     port = free_port()
     log_path = root / "server.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "interlace.gateway.cli", "serve", "--config", str(cfg),
+        proc = subprocess.Popen([sys.executable, "-m", "interlace.cli", "serve", "--config", str(cfg),
                                  "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from interlace import AsyncTool, PluginHost, ToolError, ToolUnavailable, hookimpl
-from interlace.gateway.tool_runtime import ToolRuntime
+from interlace.gateway.tools.runtime import ToolRuntime
 
 
 class Lookup(AsyncTool):

@@ -5,7 +5,7 @@ the machine description every benchmark records (CPU model and ISA flags)."""
 
 import json
 
-from interlace.bench import cpu_description, describe_cpu
+from interlace.engine_ext.machine import cpu_description, describe_cpu
 from interlace.bench import engine as bench_engine
 
 ZEN2_LSCPU = {"Model name": "AMD EPYC", "Vendor ID": "AuthenticAMD", "CPU family": "23", "Model": "49",

@@ -22,8 +22,8 @@ import psutil
 import pytest
 
 from interlace.gateway.plugin_host import PluginLoadError, configure_tool
-from interlace.gateway.tool_runtime import ToolResult, ToolRuntime
-from interlace.gateway.tools import InvalidToolArguments, ToolConfigError
+from interlace.gateway.tools.runtime import ToolResult, ToolRuntime
+from interlace.gateway.tools.base import InvalidToolArguments, ToolConfigError
 from interlace.plugins.calculator import CalculatorError, CalculatorTool, evaluate
 from interlace.plugins.format_tool import FormatError, FormatTool, safe_format
 from interlace.plugins.python_tool import NETWORK_ISOLATION_LABELS, PythonTool, probe_isolation
@@ -716,7 +716,7 @@ def test_python_isolation_is_logged_at_start_up(caplog: pytest.LogCaptureFixture
         async with ToolRuntime([tool]):
             pass
 
-    with caplog.at_level(logging.INFO, logger="interlace.gateway.tool_runtime"):
+    with caplog.at_level(logging.INFO, logger="interlace.gateway.tools.runtime"):
         asyncio.run(main())
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tool 'python'")]
     assert f'"network_isolation": "{tool.info()["network_isolation"]}"' in line

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from interlace.engine_ext.native.tokenizer import Tokenizer
-from interlace.gateway.chat import tool_results_turn
-from interlace.gateway.completions import fit_results, malformed
+from interlace.engine_ext.tokenizer import Tokenizer
+from interlace.gateway.prompt import tool_results_turn
+from interlace.gateway.openai.completions import fit_results, malformed
 from interlace.parsers.formats import HERMES, PLAN
 
 OFFERED = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}

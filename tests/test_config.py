@@ -46,7 +46,7 @@ def test_secrets_from_environment(monkeypatch):
 
 def test_serve_refuses_invalid_config(tmp_path):
     p = write(tmp_path, "models:\n  m: {path: embedded, block_size: 0}\n")
-    out = subprocess.run([sys.executable, "-m", "interlace.gateway.cli", "serve", "--config", str(p)],
+    out = subprocess.run([sys.executable, "-m", "interlace.cli", "serve", "--config", str(p)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert f"{p}: models.m.block_size: 0 is less than the minimum of 1" in out.stderr
@@ -85,7 +85,7 @@ def test_invalid_api_keys(keys, needle):
 
 
 def test_generate_with_missing_model_is_one_error_line():
-    out = subprocess.run([sys.executable, "-m", "interlace.gateway.cli", "generate", "hi", "--model", "/nonexistent"],
+    out = subprocess.run([sys.executable, "-m", "interlace.cli", "generate", "hi", "--model", "/nonexistent"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
@@ -105,7 +105,7 @@ def test_generate_with_missing_model_is_one_error_line():
 ])
 def test_cli_user_mistakes_are_one_clear_line(tmp_path, command, text, needle):
     p = write(tmp_path, text)
-    out = subprocess.run([sys.executable, "-m", "interlace.gateway.cli", command, "--config", str(p)],
+    out = subprocess.run([sys.executable, "-m", "interlace.cli", command, "--config", str(p)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert needle in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -118,7 +118,7 @@ def test_plugins_command_shows_tool_info(tmp_path):
 
     p = write(tmp_path, "models:\n  m: {path: embedded}\nplugins: {entrypoints: false, modules: [info_plugin]}\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "interlace.gateway.cli", "plugins", "--config", str(p)],
+    out = subprocess.run([sys.executable, "-m", "interlace.cli", "plugins", "--config", str(p)],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -18,14 +18,16 @@ from interlace.gateway.config import ConfigError, load_config, parse_config
 
 
 def test_defaults_are_the_papers():
-    p = load_config("configs/default.yaml").models["smollm2"].policy
+    m = load_config("configs/default.yaml").models["smollm2"]
+    p = m.policy
     assert (p.interception, p.ranking, p.starvation_threshold, p.refresh_interval) == ("infercept", "lamps", 100, 1)
     assert p.profile == "auto" and p.prefix_caching is True
     assert p.swap_space_tokens == 16384  # as large as the KV cache
-    r = p.retention
+    r = m.retention  # a gateway setting beside the engine policy
     assert (r.enabled, r.max_contexts, r.max_tokens, r.ttl_s) == (True, 64, 8192, 600.0)  # half the KV cache
-    bare = parse_config({"models": {"m": {"path": "x", "kv_cache_tokens": 1000}}}).models["m"].policy
-    assert (bare.interception, bare.ranking, bare.swap_space_tokens, bare.retention.max_tokens) == (
+    bare_m = parse_config({"models": {"m": {"path": "x", "kv_cache_tokens": 1000}}}).models["m"]
+    bare = bare_m.policy
+    assert (bare.interception, bare.ranking, bare.swap_space_tokens, bare_m.retention.max_tokens) == (
         "infercept", "lamps", 1000, 500)
 
 
@@ -36,9 +38,10 @@ def test_models_override_the_engine_section():
                                    "b": {"path": "x", "interception": "preserve", "retention": {"max_contexts": 1},
                                          "starvation_threshold": 7}}})
     a, b = cfg.models["a"].policy, cfg.models["b"].policy
-    assert (a.interception, a.ranking, a.retention.max_contexts, a.retention.ttl_s) == ("swap", "fcfs", 3, 5.0)
+    ar, br = cfg.models["a"].retention, cfg.models["b"].retention
+    assert (a.interception, a.ranking, ar.max_contexts, ar.ttl_s) == ("swap", "fcfs", 3, 5.0)
     assert (b.interception, b.ranking, b.starvation_threshold) == ("preserve", "fcfs", 7)
-    assert (b.retention.max_contexts, b.retention.ttl_s) == (1, 5.0)  # key by key
+    assert (br.max_contexts, br.ttl_s) == (1, 5.0)  # key by key
     assert "interception" not in cfg.models["b"].engine_args  # the engine's own arguments stay apart
 
 

@@ -1,4 +1,4 @@
-"""Constrained decoding (gateway/constrained.py) on the embedded SmolLM2:
+"""Constrained decoding (engine_ext/constraints/grammar.py) on the embedded SmolLM2:
 greedy decoding under a grammar yields JSON valid against a schema, a JSON
 object, and hermes tool calls for tool_choice "required" / a named function;
 invalid constraints raise GrammarError; processors keep per-request state."""
@@ -13,7 +13,7 @@ import torch
 
 from conftest import run
 from interlace.engine_ext.protocol import SamplingParams
-from interlace.gateway.constrained import ConstraintViolation, GrammarCompiler, GrammarError
+from interlace.engine_ext.constraints.grammar import ConstraintViolation, GrammarCompiler, GrammarError
 from interlace.parsers import ToolCallEnd, builtin
 
 PERSON = {

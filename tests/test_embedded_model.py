@@ -119,11 +119,11 @@ def test_pause_on_carries_the_hint_set_while_decoding(smol_engine):
 
 
 def test_cli_generate(smol_dir):
-    out = subprocess.run([sys.executable, "-m", "interlace.gateway.cli", "generate", "What is the capital of France?",
+    out = subprocess.run([sys.executable, "-m", "interlace.cli", "generate", "What is the capital of France?",
                           "--model", str(smol_dir), "--max-tokens", "12"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "interlace.gateway.cli", "generate", "x", "--model", str(smol_dir),
+    bad = subprocess.run([sys.executable, "-m", "interlace.cli", "generate", "x", "--model", str(smol_dir),
                           "--top-p", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "top_p" in bad.stderr

@@ -33,7 +33,7 @@ import pytest
 import pytest_asyncio
 
 from interlace.engine_ext import errors as E
-from interlace.engine_ext.native.tokenizer import Tokenizer
+from interlace.engine_ext.tokenizer import Tokenizer
 from interlace.engine_ext.protocol import Engine, SamplingParams, TokenEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

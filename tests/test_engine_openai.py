@@ -123,7 +123,7 @@ def native(smol_dir):
 
 @pytest.fixture(scope="module")
 def tok(smol_dir):
-    from interlace.engine_ext.native.tokenizer import Tokenizer
+    from interlace.engine_ext.tokenizer import Tokenizer
 
     return Tokenizer(Path(smol_dir), json.loads((Path(smol_dir) / "config.json").read_text()))
 
@@ -430,7 +430,7 @@ async def test_stop_string_ends_the_stream_as_on_the_native_engine(engine, promp
 
 async def test_a_json_schema_grammar_yields_valid_json(engine, tok):
     jsonschema = pytest.importorskip("jsonschema")
-    from interlace.gateway.constrained import GrammarCompiler
+    from interlace.engine_ext.constraints.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(tok, vocab_size=engine.vocab_size)
     schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

@@ -3,7 +3,7 @@ tokenizer): held-back stop-string prefixes around a pause, and special
 tokens with ``skip_special_tokens``."""
 
 from conftest import run
-from interlace.engine_ext.forced import ForcedOutput
+from interlace.engine_ext.constraints.forced import ForcedOutput
 from interlace.engine_ext.protocol import SamplingParams
 
 IM_START, IM_END, END_OF_TEXT = 1, 2, 0  # SmolLM2's special tokens

@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh --test
 
 from interlace.engine_ext import errors as E  # noqa: E402
 from interlace.engine_ext.protocol import RequestHint, SamplingParams  # noqa: E402
-from interlace.gateway.config import PolicySpec  # noqa: E402
+from interlace.engine_ext.policies import PolicySpec  # noqa: E402
 
 ENGINE = {"kind": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_space_gb": 1, "max_model_len": 1024}
 
@@ -85,7 +85,7 @@ def test_the_ranking_orders_vllms_waiting_queue(sjf_engine):
 
 
 def test_grammar_runs_as_vllm_structured_output(sjf_engine):
-    from interlace.gateway.constrained import GrammarCompiler
+    from interlace.engine_ext.constraints.grammar import GrammarCompiler
 
     import jsonschema
 
@@ -205,7 +205,7 @@ def test_a_forced_replay_runs_as_a_token_grammar_across_pauses(sjf_engine):
     """interlace.replay / the trace benchmark force recorded tokens: on vLLM
     they become a grammar of token ids per request (decoded at full cost),
     moving to the next piece after each resume, as on the native engine."""
-    from interlace.engine_ext.forced import ForcedOutput
+    from interlace.engine_ext.constraints.forced import ForcedOutput
 
     tok = sjf_engine.tokenizer
     pieces = [tok.encode(" The weather tool says"), tok.encode(" sunny and warm today.")]
@@ -233,7 +233,7 @@ def test_a_forced_replay_runs_as_a_token_grammar_across_pauses(sjf_engine):
 
 
 def test_serve_refuses_an_unknown_vllm_argument_in_one_line_before_starting():
-    from interlace.gateway.cli import UserError, check_serve_config
+    from interlace.cli import UserError, check_serve_config
     from interlace.gateway.config import parse_config
 
     cfg = parse_config({"models": {"m": {"path": "embedded", "engine": {"kind": "vllm", "args": {"bogus_arg": 1}}}}},

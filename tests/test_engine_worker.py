@@ -14,12 +14,12 @@ import pytest
 
 from conftest import run
 from interlace.engine_ext import errors as E
-from interlace.engine_ext.forced import ForcedOutput
+from interlace.engine_ext.constraints.forced import ForcedOutput
 from interlace.engine_ext.native.setup import build_native_engine
-from interlace.engine_ext.native.tokenizer import Tokenizer
+from interlace.engine_ext.tokenizer import Tokenizer
 from interlace.engine_ext.protocol import Engine, PauseHint, RequestHint, SamplingParams
 from interlace.engine_ext.worker import ProcessEngine
-from interlace.gateway.config import PolicySpec
+from interlace.engine_ext.policies import PolicySpec
 
 # small budgets: a 300-token fill takes many steps, so calls overlap with streams
 ARGS = {"kv_cache_tokens": 2048, "max_batched_tokens": 16, "block_size": 16}
@@ -313,7 +313,7 @@ def smol_worker():
 
 @pytest.fixture(scope="module")
 def grammars(smol_worker):
-    from interlace.gateway.constrained import GrammarCompiler
+    from interlace.engine_ext.constraints.grammar import GrammarCompiler
 
     return GrammarCompiler(smol_worker.tokenizer, vocab_size=smol_worker.vocab_size)
 
@@ -400,7 +400,7 @@ def test_grammar_processor_output_is_valid_json_and_equals_the_in_process_engine
 def test_first_round_only_constrains_until_the_resume_then_not(smol_worker, smol_engine, grammars):
     import re
 
-    from interlace.gateway.completions import FirstRoundOnly
+    from interlace.gateway.openai.completions import FirstRoundOnly
 
     tok = smol_worker.tokenizer
     ids = chat_ids(smol_worker, "Describe Paris as JSON with its city and country.")

@@ -178,7 +178,7 @@ def test_required_and_named_are_forced_in_the_format(client, live, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_server_side_tool_result_fed_back(client, live, name):
-    from interlace.gateway.plan import build_plan
+    from interlace.gateway.openai.plan import build_plan
 
     f = FORMATS[name]
     tool = f.server_call[0]
@@ -301,7 +301,7 @@ def test_huge_tool_result_is_truncated_not_a_client_error(client):
 
 
 def test_default_max_tokens_is_bounded(live):
-    from interlace.gateway.plan import build_plan
+    from interlace.gateway.openai.plan import build_plan
 
     gw = live.gateway
     plan = build_plan(gw, gw.models["hermes"], {"model": "hermes", "messages": USER})
@@ -324,7 +324,7 @@ def test_no_leaked_contexts(live):
 
 
 def test_special_tokens_are_decoded_when_the_format_needs_them(live):
-    from interlace.gateway.plan import build_plan
+    from interlace.gateway.openai.plan import build_plan
 
     gw = live.gateway
     for name in NAMES:

@@ -95,7 +95,7 @@ def test_zoo_config_errors(smol_zoo, tmp_path):
 def test_serve_checks_zoo_models_before_starting(smol_zoo):
     """``interlace serve``'s pre-start check: zoo paths are looked up in the
     zoo (not on disk), and an unknown variant is one clear line."""
-    from interlace.gateway.cli import UserError, check_serve_config
+    from interlace.cli import UserError, check_serve_config
 
     check_serve_config(parse_config(zoo_config(smol_zoo), "<t>"))
     bad = zoo_config(smol_zoo)

@@ -170,7 +170,7 @@ class TestChatInterlaceIntegration(ChatModelIntegrationTests):
 
     @property
     def supports_json_mode(self) -> bool:
-        return True  # response_format json_object (gateway/openai_api.py, constrained.py)
+        return True  # response_format json_object (gateway/openai/wire.py, constrained.py)
 
     @property
     def model_override_value(self) -> Optional[str]:

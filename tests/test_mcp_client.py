@@ -1,4 +1,4 @@
-"""MCP servers as tool providers (gateway/mcp_client.py), against the small MCP
+"""MCP servers as tool providers (gateway/mcp/client.py), against the small MCP
 server in tests/mcp_test_server.py run over stdio and over streamable HTTP."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pytest
 from gateway_server import LiveGateway, free_port
 
 from interlace.gateway.config import ConfigError, McpServerSpec, may_use_tool, parse_config
-from interlace.gateway.mcp_client import McpHub
-from interlace.gateway.tool_runtime import ToolRuntime
-from interlace.gateway.tools import InvalidToolArguments, ToolCrashed, ToolError, ToolUnavailable
+from interlace.gateway.mcp.client import McpHub
+from interlace.gateway.tools.runtime import ToolRuntime
+from interlace.gateway.tools.base import InvalidToolArguments, ToolCrashed, ToolError, ToolUnavailable
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 MODEL = {"m": {"path": "embedded", "kv_cache_tokens": 8192, "dtype": "float32"}}
@@ -84,7 +84,7 @@ def test_a_server_wildcard_grants_its_tools_only():
 
 
 def test_interlace_plugins_lists_mcp_tools_and_server_state(tmp_path, capsys):
-    from interlace.gateway.cli import main
+    from interlace.cli import main
 
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(json.dumps({"models": MODEL, "mcp_servers": {
@@ -105,7 +105,7 @@ def test_interlace_plugins_lists_mcp_tools_and_server_state(tmp_path, capsys):
 def test_tools_interlace_cannot_serve_are_skipped_not_fatal(caplog):
     from types import SimpleNamespace
 
-    from interlace.gateway.mcp_client import McpServer
+    from interlace.gateway.mcp.client import McpServer
 
     def remote(name, schema):
         return SimpleNamespace(name=name, description="d", title=None, input_schema=schema)
@@ -141,9 +141,9 @@ async def test_stdio_listing_calls_errors_and_environment(monkeypatch, caplog):
         with pytest.raises(ToolError, match="boom") as info:
             await tools["t.fail"].call({"message": "boom"}, None)
         assert info.value.error_type == "McpToolError"
-        caplog.set_level("INFO", logger="interlace.gateway.mcp_client.t")
+        caplog.set_level("INFO", logger="interlace.gateway.mcp.client.t")
         assert await tools["t.shout"].call({"text": "hello from the server"}, None) == "said"
-        await _until(lambda: any(r.name == "interlace.gateway.mcp_client.t" and r.getMessage() == "hello from the server"
+        await _until(lambda: any(r.name == "interlace.gateway.mcp.client.t" and r.getMessage() == "hello from the server"
                                  for r in caplog.records), 5)  # its stderr, in the gateway's log
 
 
@@ -167,7 +167,7 @@ async def test_death_mid_call_marks_unavailable_then_restarts():
 
 
 async def test_a_server_that_stops_answering_is_found_by_the_probe_and_replaced(monkeypatch):
-    from interlace.gateway import mcp_client
+    from interlace.gateway.mcp import client as mcp_client
 
     monkeypatch.setattr(mcp_client, "PROBE_INTERVAL_S", 0.3)
     monkeypatch.setattr(mcp_client, "PROBE_TIMEOUT_S", 0.5)

@@ -1,4 +1,4 @@
-"""``interlace mcp serve``: Interlace's tools as an MCP server (gateway/mcp_server.py, docs/mcp.md).
+"""``interlace mcp serve``: Interlace's tools as an MCP server (gateway/mcp/server.py, docs/mcp.md).
 
 Each test starts the real command as a subprocess and talks to it with the
 official MCP SDK's client (stdio, and Streamable HTTP in both of the SDK's
@@ -28,7 +28,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from interlace.plugins.calculator import CalculatorTool
 
-SERVE = [sys.executable, "-m", "interlace.gateway.cli", "mcp", "serve"]
+SERVE = [sys.executable, "-m", "interlace.cli", "mcp", "serve"]
 LIMITED, FULL = "limited-secret-1", "full-secret-2"
 
 #: A plugin for these tests, written next to each test's config: a tool in a

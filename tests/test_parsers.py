@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlace.gateway import hookspecs
+from interlace import hookspecs
 from interlace.parsers import (
     ArgumentsDelta,
     DuplicateParserError,

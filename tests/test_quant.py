@@ -437,7 +437,7 @@ def test_config_accepts_weights_and_rejects_unknown_values():
 
 
 def test_cli_generate_takes_weights():
-    from interlace.gateway.cli import build_parser
+    from interlace.cli import build_parser
 
     assert build_parser().parse_args(["generate", "hi", "--weights", "as-shipped"]).weights == "as-shipped"
     with pytest.raises(SystemExit):

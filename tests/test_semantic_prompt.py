@@ -1,5 +1,5 @@
 """A semantic call's prompt is tokenized whole and cut at variable boundaries
-(gateway/semantic_prompt.py), so it reads exactly what the chat endpoint reads."""
+(gateway/semantic/prompt.py), so it reads exactly what the chat endpoint reads."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import copy
 
 import pytest
 
-from interlace.gateway.chat import render_messages
-from interlace.gateway.semantic_prompt import OPEN, prompt_pieces
+from interlace.gateway.prompt import render_messages
+from interlace.gateway.semantic.prompt import OPEN, prompt_pieces
 from interlace.parsers.formats import HERMES
 
 
 @pytest.fixture(scope="module")
 def tok(smol_dir):
-    from interlace.engine_ext.native.tokenizer import Tokenizer
+    from interlace.engine_ext.tokenizer import Tokenizer
 
     return Tokenizer(smol_dir)
 

@@ -10,7 +10,7 @@ from interlace.engine_ext.sim.block_cli import main as blocks_main
 from interlace.engine_ext.sim.block_cluster import (ClusterSimError, ClusterSpec, FamilySpec, ModelSpec,
                                                     WorkloadSpec, build_family, generate_workload, migration_time)
 from interlace.engine_ext.sim.blocks import BlockSimConfig, simulate_cluster
-from interlace.gateway.cli import main as interlace_main
+from interlace.cli import main as interlace_main
 
 MODEL = ModelSpec()
 CLUSTER = ClusterSpec()

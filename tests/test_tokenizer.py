@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlace.engine_ext.native.tokenizer import IncrementalDetokenizer
+from interlace.engine_ext.tokenizer import IncrementalDetokenizer
 
 SAMPLES = ["naïve café — 東京 🚀🚀 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ", "def f(x):\n    return x ** 2  # ✓", "  leading spaces\tand\ttabs"]
 

@@ -15,8 +15,8 @@ from typing import Any
 import psutil
 import pytest
 
-from interlace.gateway.tool_runtime import ToolCall, ToolResult, ToolRuntime
-from interlace.gateway.tools import (
+from interlace.gateway.tools.runtime import ToolCall, ToolResult, ToolRuntime
+from interlace.gateway.tools.base import (
     Granularity,
     InvalidToolArguments,
     Tool,

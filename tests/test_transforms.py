@@ -3,7 +3,7 @@ finished output (the producer's failure)."""
 
 import pytest
 
-from interlace.gateway.transforms import Transform, TransformFailed, TransformSpecError
+from interlace.gateway.semantic.transforms import Transform, TransformFailed, TransformSpecError
 
 
 def test_transforms_apply_in_order():

@@ -423,7 +423,7 @@ def test_equivalence_reports_lora_blocks_but_never_merges(zoo, tmp_path, tiny_di
 
 
 def _cli(capsys, *argv):
-    from interlace.gateway.cli import main
+    from interlace.cli import main
 
     code = main(["zoo", *argv])
     out, err = capsys.readouterr()

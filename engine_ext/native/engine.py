@@ -62,7 +62,7 @@ from .sampler import sample
 from .scheduler import Batch, Scheduler
 from .sequence import Context, FillOp, Generation, Interception, State
 from .swap import SWAPPED, Swapper
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 

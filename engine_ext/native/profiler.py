@@ -46,7 +46,7 @@ def _device_name(engine) -> str:
     if engine.device.type == "cuda":
         return torch.cuda.get_device_name(engine.device)
     try:
-        from ...bench import cpu_description
+        from ..machine import cpu_description
 
         cpu = cpu_description()
         return f"cpu: {cpu['model_name']} ({cpu['cpus']} CPUs)"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:  # the gateway's config dataclass; only its attributes are read here
-    from ...gateway.config import PolicySpec
+    from ..policies import PolicySpec
     from .engine import NativeEngine
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def load_zoo_engine(names: Sequence[str], zoo: Optional[str] = None, *, dtype: O
     from .block_sharing import VariantSet
     from .engine import NativeEngine, _in_passing_thread, resolve_weights
     from .loader import model_from_tensors
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
     if not names:
         raise ValueError("a zoo engine needs at least one variant")

@@ -7,9 +7,10 @@ from .interception import (INTERCEPTION_NAMES, BatchState, Discard, Fixed, Handl
                            InterceptionPolicy, MinWaste, Preserve, Swap, make_interception)
 from .objectives import ObjectiveRanking
 from .predictors import OutputLengths, ToolDurations
+from .spec import PolicySpec
 from .ranking import FCFS, LAMPS, RANKING_NAMES, SJF, RankingPolicy, RankState, SchedInfo, SJFTotal, make_ranking
 
 __all__ = ["BUILTIN_PROFILES", "Profile", "ProfileError", "roofline", "unit_profile", "INTERCEPTION_NAMES",
-           "BatchState", "Discard", "Fixed", "Handling", "InterceptedContext", "InterceptionPolicy", "MinWaste", "ObjectiveRanking",
+           "BatchState", "Discard", "Fixed", "Handling", "InterceptedContext", "InterceptionPolicy", "MinWaste", "ObjectiveRanking", "PolicySpec",
            "Preserve", "Swap", "make_interception", "OutputLengths", "ToolDurations", "FCFS", "LAMPS",
            "RANKING_NAMES", "SJF", "RankingPolicy", "RankState", "SchedInfo", "SJFTotal", "make_ranking"]

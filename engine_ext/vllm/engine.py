@@ -259,7 +259,7 @@ def load_vllm_engine(engine: Dict[str, Any], model_path: str, policy: Any = None
     configured profile file, or with ``profile: auto`` one measured through
     this engine (:mod:`engine_ext.vllm.profile`), cached so only the first
     start-up pays: that start-up runs vLLM twice, once to measure."""
-    from ..native.tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
     from ..policies import ToolDurations, make_interception
     from ..policies.costmodel import Profile
 
@@ -290,7 +290,7 @@ def _auto_profile(engine: Dict[str, Any], model_path: str, policy: Any, name: st
     import re
 
     from ..native.loader import cache_root
-    from ..native.tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
     from ..policies.costmodel import Profile, ProfileError
     from .profile import METHOD, measure_request_profile
 
@@ -327,7 +327,7 @@ def _device() -> str:
             return torch.cuda.get_device_name(0)
     except Exception:  # a label only
         pass
-    from ...bench import cpu_description
+    from ..machine import cpu_description
 
     try:
         return f"cpu: {cpu_description()['model_name']}"

@@ -108,7 +108,7 @@ def _tool_format(fmt: Any) -> Any:
     """
     if not isinstance(fmt, str):
         return fmt
-    from ..parsers.builtin import BUILTIN_PARSERS
+    from ...parsers.builtin import BUILTIN_PARSERS
 
     factory = BUILTIN_PARSERS.get(fmt)
     if factory is None:
@@ -639,7 +639,7 @@ def _rebuild_processor(spec: str, kind: str, eos_token_ids: Tuple[int, ...], voc
     """Unpickle a :class:`GrammarProcessor` (its ``__reduce__``): a fresh
     one for the same grammar, built for the tokenizer of the engine this
     worker process serves."""
-    from ..engine_ext.worker import serving_engine
+    from ..worker import serving_engine
 
     engine = serving_engine()
     tokenizer = getattr(engine, "tokenizer", None)

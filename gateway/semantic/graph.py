@@ -34,13 +34,13 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
 
-from ..engine_ext.errors import EngineError, InvalidSampling
-from ..engine_ext.policies.objectives import OBJECTIVES
-from ..engine_ext.protocol import RequestHint, SamplingParams
+from ...engine_ext.errors import EngineError, InvalidSampling
+from ...engine_ext.policies.objectives import OBJECTIVES
+from ...engine_ext.protocol import RequestHint, SamplingParams
 from .objectives import CallNode, deduce
-from .openai_api import APIError
+from ..openai.wire import APIError
 from .prefix_share import Piece, PrefixStore, Shared, boundary_keys
-from .semantic_prompt import prompt_pieces
+from .prompt import prompt_pieces
 from .transforms import Transform, TransformFailed, TransformSpecError
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Most tools agent developers already have are Model Context Protocol servers.
 The gateway connects to each server in ``mcp_servers`` (a program it starts
 and speaks to over stdio, or a streamable HTTP endpoint) with the official
 SDK (``mcp``), lists its tools and registers each as ``SERVER.TOOL``: a
-:class:`McpTool`, an :class:`~interlace.gateway.tools.AsyncTool` whose call
+:class:`McpTool`, an :class:`~interlace.gateway.tools.base.AsyncTool` whose call
 is one ``tools/call`` request.  From there an MCP tool is a tool like any
 other: listed in ``/v1/plugins`` and ``interlace plugins``, usable as a
 server-side tool in the agent loop, its arguments checked against the
@@ -25,8 +25,8 @@ Failure model (what :class:`McpServer` guarantees):
   the same way; meanwhile its tools stay registered but are *unavailable*: a
   call gets an immediate error result saying so, never a hung request;
 * a call in flight when its server dies ends at once with a
-  :class:`~interlace.gateway.tools.ToolCrashed` result; one that runs past
-  ``timeout_s`` with :class:`~interlace.gateway.tools.ToolTimeout` (the
+  :class:`~interlace.gateway.tools.base.ToolCrashed` result; one that runs past
+  ``timeout_s`` with :class:`~interlace.gateway.tools.base.ToolTimeout` (the
   runtime's wall-time limit); an error the tool reports (``isError``) is an
   error result with the server's text;
 * when a restarted server lists different tools, the host and the runtime
@@ -48,9 +48,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from . import hookspecs
-from .config import McpServerSpec
-from .tools import AsyncTool, Granularity, ToolCrashed, ToolError, ToolUnavailable
+from ... import hookspecs
+from ..config import McpServerSpec
+from ..tools.base import AsyncTool, Granularity, ToolCrashed, ToolError, ToolUnavailable
 
 __all__ = ["McpHub", "McpServer", "McpTool", "result_content"]
 

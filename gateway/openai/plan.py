@@ -29,11 +29,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..engine_ext.errors import InvalidSampling
-from ..engine_ext.forced import ForcedOutput
-from ..engine_ext.protocol import SamplingParams
-from . import openai_api as api
-from .chat import render_messages
+from ...engine_ext.errors import InvalidSampling
+from ...engine_ext.constraints.forced import ForcedOutput
+from ...engine_ext.protocol import SamplingParams
+from . import wire as api
+from ..prompt import render_messages
 from .completions import CompletionPlan, FirstRoundOnly
 
 
@@ -125,7 +125,7 @@ def constraint(model: Any, body: Dict[str, Any], tools: List[Dict[str, Any]], ch
     forcing = forced is not None or choice == "required"
     if not forcing and rf.get("type") not in ("json_object", "json_schema"):
         return ()
-    from .constrained import GrammarError
+    from ...engine_ext.constraints.grammar import GrammarError
 
     g = model.grammar()
     try:

@@ -22,7 +22,7 @@ not).  Two kinds of pool:
 Calls waiting for a worker are served round-robin between API keys
 (``request["key"]``), so one key's flood cannot starve another key.
 
-Every worker (see :mod:`interlace.gateway.tool_worker`) runs in its own
+Every worker (see :mod:`interlace.gateway.tools.worker`) runs in its own
 session and process group, with a clean environment (``PATH``, ``LANG``,
 ``HOME``/``TMPDIR`` = its private scratch directory, plus the tool's ``env``
 setting: never the gateway's API keys), ``RLIMIT_AS`` = ``memory_mb``
@@ -88,7 +88,7 @@ from typing import Any
 
 import psutil
 
-from .tools import (
+from .base import (
     AsyncTool,
     Granularity,
     InvalidToolArguments,
@@ -111,7 +111,7 @@ Policy = Callable[[str, dict[str, Any], Any], "str | None"]
 
 _tokens = itertools.count(1)
 _call_ids = itertools.count(1)
-_WORKER_ENTRY = "from interlace.gateway.tool_worker import main; main()"
+_WORKER_ENTRY = "from interlace.gateway.tools.worker import main; main()"
 #: Calls a per-call pool runs at once when its tool does not say (``Tool.max_concurrent``).
 DEFAULT_MAX_CONCURRENT = 8
 
@@ -949,7 +949,7 @@ class ToolRuntime:
         """Prepare every tool and start its warm workers; return when all are warm.
 
         Raises what a tool's ``setup`` raises (e.g. the python tool's
-        :class:`~interlace.gateway.tools.ToolConfigError` when the network
+        :class:`~interlace.gateway.tools.base.ToolConfigError` when the network
         cannot be isolated) or :class:`RuntimeError` when a worker fails to start.
         """
         if self._state != "new":

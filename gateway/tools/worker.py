@@ -1,7 +1,7 @@
 """The worker side of the tool runtime: one tool's handlers in a contained process.
 
-The gateway (:mod:`interlace.gateway.tool_runtime`) starts this module with
-``python -c "from interlace.gateway.tool_worker import main; main()" FD PID``
+The gateway (:mod:`interlace.gateway.tools.runtime`) starts this module with
+``python -c "from interlace.gateway.tools.worker import main; main()" FD PID``
 in a new session (its own process group), with a clean environment and a
 scratch directory as its working directory.  ``FD`` is its end of a socket
 pair; the first message on it is ``("init", sys_path, tool_pickle, limits)``.
@@ -27,7 +27,7 @@ raises :class:`CPUTimeExceeded` inside the tool's handler; a worker that
 serves one call only (``per_call``) also gets a hard ``RLIMIT_CPU`` one
 second above it, which the kernel enforces with SIGKILL even inside C code.
 
-Protocol: see :mod:`interlace.gateway.tool_runtime`.
+Protocol: see :mod:`interlace.gateway.tools.runtime`.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class _CpuBudget:
 
 def _describe(exc: BaseException) -> tuple[str, str, str | None]:
     """(error_type, message, field) for an exception raised by a handler."""
-    from .tools import InvalidToolArguments, ToolError
+    from .base import InvalidToolArguments, ToolError
 
     if isinstance(exc, InvalidToolArguments):
         return "InvalidToolArguments", exc.message, exc.field

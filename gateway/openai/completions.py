@@ -55,11 +55,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
-from ..engine_ext.errors import EngineError
-from ..engine_ext.protocol import PauseHint, RequestHint, SamplingParams
-from ..parsers.events import ArgumentsDelta, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd, ToolCallStart
-from .chat import tool_results_turn
-from .tools import InvalidToolArguments, ToolError
+from ...engine_ext.errors import EngineError
+from ...engine_ext.protocol import PauseHint, RequestHint, SamplingParams
+from ...parsers.events import ArgumentsDelta, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd, ToolCallStart
+from ..prompt import tool_results_turn
+from ..tools.base import InvalidToolArguments, ToolError
 
 
 log = logging.getLogger(__name__)

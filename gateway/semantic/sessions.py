@@ -29,10 +29,10 @@ from typing import Any, Dict, Iterator, Optional
 
 from starlette.requests import Request
 
-from .openai_api import APIError
-from .semantic import Limits, Services, SessionGraph
-from .config import SessionsConfig
-from .http_guard import bearer_token
+from ..openai.wire import APIError
+from .graph import Limits, Services, SessionGraph
+from ..config import SessionsConfig
+from ..http_guard import bearer_token
 
 log = logging.getLogger(__name__)
 

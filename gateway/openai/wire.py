@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import jsonschema
 import numpy as np
 
-from ..parsers.jsonscan import loads as strict_loads
+from ...parsers.jsonscan import loads as strict_loads
 
 FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
 INT32_MAX = 2 ** 31 - 1

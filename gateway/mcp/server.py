@@ -3,7 +3,7 @@
 The tools the gateway runs server-side (the built-ins and every plugin's) are
 offered to any MCP client: ``tools/list`` gives each enabled tool's name,
 description and JSON Schema, ``tools/call`` runs it in the same contained
-worker processes the gateway uses (:class:`~interlace.gateway.tool_runtime.ToolRuntime`),
+worker processes the gateway uses (:class:`~interlace.gateway.tools.runtime.ToolRuntime`),
 through the same ``before_tool_execution`` policy plugins.  Built on the
 official MCP SDK's low-level :class:`mcp.server.lowlevel.Server`.
 
@@ -47,8 +47,8 @@ from typing import Any, Optional
 import mcp_types as types
 from mcp.server.lowlevel import Server
 
-from .config import GatewayConfig, ServerTools, may_use_tool
-from .tools import Tool
+from ..config import GatewayConfig, ServerTools, may_use_tool
+from ..tools.base import Tool
 
 __all__ = [
     "DEFAULT_HOST",
@@ -125,7 +125,7 @@ def error_result(text: str) -> types.CallToolResult:
 
 
 def to_call_result(result: Any) -> types.CallToolResult:
-    """A :class:`~interlace.gateway.tool_runtime.ToolResult` as MCP's ``CallToolResult``.
+    """A :class:`~interlace.gateway.tools.runtime.ToolResult` as MCP's ``CallToolResult``.
 
     Success: the text the model would see (``to_text()``), plus the content as
     ``structuredContent`` when it is a JSON object.  Failure: ``isError`` with
@@ -203,7 +203,7 @@ def load_tools(config: GatewayConfig, only: Optional[Sequence[str]] = None, *,
     ``only`` narrows them to the names given; a name that is not an enabled
     tool is a :class:`McpServeError` naming the enabled ones.
     """
-    from .plugin_host import BUILTIN_PLUGINS, PluginHost, PluginLoadError
+    from ..plugin_host import BUILTIN_PLUGINS, PluginHost, PluginLoadError
 
     try:
         host = PluginHost(config.tools, entrypoints=config.plugin_entrypoints,
@@ -235,9 +235,9 @@ def _one_line(text: str) -> str:
 
 
 async def start_runtime(host: Any, tools: Mapping[str, Tool]) -> Any:
-    """A started :class:`~interlace.gateway.tool_runtime.ToolRuntime` for ``tools`` with the host's
+    """A started :class:`~interlace.gateway.tools.runtime.ToolRuntime` for ``tools`` with the host's
     policy; a tool that cannot start is a :class:`McpServeError` (the runtime closed again)."""
-    from .tool_runtime import ToolRuntime
+    from ..tools.runtime import ToolRuntime
 
     runtime = ToolRuntime(dict(tools), policy=host.before_tool_execution)
     try:
@@ -252,7 +252,7 @@ async def start_runtime(host: Any, tools: Mapping[str, Tool]) -> Any:
 
 def http_callers(config: GatewayConfig) -> list[Caller]:
     """Everyone who can call over HTTP: one caller per API key, or the anonymous one when there are none."""
-    from .http_guard import permissions
+    from ..http_guard import permissions
 
     if config.api_keys:
         return [Caller(key.name, permissions(config, key)[0]) for key in config.api_keys]
@@ -292,8 +292,8 @@ class BearerGuard:
         from starlette.requests import Request
         from starlette.responses import JSONResponse
 
-        from .http_guard import authenticate, permissions
-        from .openai_api import APIError
+        from ..http_guard import authenticate, permissions
+        from ..openai.wire import APIError
 
         try:
             key = authenticate(self.config, Request(scope))
@@ -316,7 +316,7 @@ def http_app(server: Server, config: GatewayConfig, *, host: str = DEFAULT_HOST,
     own checks (DNS-rebinding protection for a loopback ``host``, body size ``server.max_request_bytes``)."""
     from starlette.middleware.cors import CORSMiddleware
 
-    from .http_guard import OriginGuard, cors_middleware_args
+    from ..http_guard import OriginGuard, cors_middleware_args
 
     app: Any = server.streamable_http_app(streamable_http_path=path, host=host,
                                           max_request_body_size=config.max_request_bytes)
@@ -347,7 +347,7 @@ async def serve_http(config: GatewayConfig, host: Any, tools: Mapping[str, Tool]
     closed last.  Raises :class:`McpServeError` when nobody may use any tool or a tool cannot start."""
     import uvicorn
 
-    from .http_guard import startup_warnings
+    from ..http_guard import startup_warnings
 
     usable = check_http_tools(config, tools)
     unused = [n for n in tools if n not in usable]

@@ -24,11 +24,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine_ext.policies.objectives import OBJECTIVES
-from . import http_guard as guard_
-from .http_guard import ClientGone
-from .openai_api import APIError, parse_json, sse
-from .semantic import Variable
+from ...engine_ext.policies.objectives import OBJECTIVES
+from .. import http_guard as guard_
+from ..http_guard import ClientGone
+from ..openai.wire import APIError, parse_json, sse
+from .graph import Variable
 from .sessions import Session
 
 
@@ -139,7 +139,7 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
         if stream in ("true", "1"):
             return StreamingResponse(_stream(s, var, timeout), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        from .app import until_disconnected  # the app module imports this one
+        from ..app import until_disconnected  # the app module imports this one
 
         async def wait() -> None:
             try:

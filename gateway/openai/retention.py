@@ -41,9 +41,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ..engine_ext.errors import EngineError
-from ..engine_ext.policies import ToolDurations
-from ..engine_ext.protocol import PauseHint
+from ...engine_ext.errors import EngineError
+from ...engine_ext.policies import ToolDurations
+from ...engine_ext.protocol import PauseHint
 
 log = logging.getLogger(__name__)
 

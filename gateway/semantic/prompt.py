@@ -26,7 +26,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .chat import render_text
+from ..prompt import render_text
 from .prefix_share import Piece
 
 #: Unicode noncharacters: never in well-formed text a client means to send.

@@ -1,0 +1,26 @@
+"""One model's scheduling policy, as configured: which interception handling and
+which ranking run, with their knobs.
+
+It lives with the policies (not in the gateway's config) because every engine
+takes it: the native engine builds its policies from it, the vLLM engine hands
+its ranking to ``InterlaceScheduler``, and an engine worker process rebuilds it
+from its fields.  Names are resolved by :func:`make_interception` and
+:func:`make_ranking`; the gateway's config validates them first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One model's scheduling policy (names resolved by this package)."""
+
+    interception: str = "infercept"
+    ranking: str = "lamps"
+    starvation_threshold: int = 100
+    refresh_interval: int = 1
+    profile: str = "auto"          # "auto", a built-in profile name or a profile file
+    swap_space_tokens: int = 16384
+    prefix_caching: bool = True
