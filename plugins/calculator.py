@@ -180,6 +180,10 @@ class CalculatorTool(Tool):
             except CalculatorError as exc:
                 raise InvalidToolArguments("expression", str(exc)) from None
 
+    def result_text(self, content: Any) -> str:
+        """A later step that refers to a calculation wants the value alone."""
+        return super().result_text(content["result"] if isinstance(content, dict) and "result" in content else content)
+
     def on_finish(self, arguments: dict[str, Any]) -> dict[str, Any]:
         expression = arguments["expression"]
         if self._early is not None and self._early[0] == expression:

@@ -387,6 +387,10 @@ class PythonTool(Tool):
     def on_close(self) -> None:
         self._ns = {}
 
+    def result_text(self, content: Any) -> str:
+        """A later step that refers to a run wants its last expression's value."""
+        return super().result_text(content["result"] if isinstance(content, dict) and "result" in content else content)
+
     def _run(self, statements: list[ast.stmt]) -> None:
         for stmt in statements:
             if self._error is not None:

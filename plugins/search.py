@@ -190,6 +190,13 @@ class SearchTool(Tool):
         if key == "query" and isinstance(value, str):
             self._early = (value, self.search(value, self.max_k))
 
+    def result_text(self, content: Any) -> str:
+        """A later step that refers to a search wants its best hit's text."""
+        if isinstance(content, dict) and isinstance(content.get("results"), list) and content["results"]:
+            top = content["results"][0]
+            content = (top.get("snippet") or top.get("text") or top) if isinstance(top, dict) else top
+        return super().result_text(content)
+
     def on_finish(self, arguments: dict[str, Any]) -> dict[str, Any]:
         query = arguments["query"]
         k = min(int(arguments.get("k") or self.default_k), self.max_k)

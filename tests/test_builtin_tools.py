@@ -721,3 +721,18 @@ def test_python_isolation_is_logged_at_start_up(caplog: pytest.LogCaptureFixture
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tool 'python'")]
     assert f'"network_isolation": "{tool.info()["network_isolation"]}"' in line
     assert "a fresh process per call" in line and '"RLIMIT_AS": [1073741824, 1073741824]' in line
+
+
+def test_result_text_is_what_a_later_plan_step_reads() -> None:
+    """A plan step's ``$N`` reads the tool's own ``result_text``: the value, not the record."""
+    from interlace.gateway.tools.base import Tool
+
+    assert CalculatorTool().result_text({"expression": "6*7", "result": 42}) == "42"
+    assert PythonTool().result_text({"stdout": "", "result": " 'ok' ", "error": None}) == "'ok'"
+    hits = {"query": "q", "results": [{"id": 1, "snippet": "best hit"}, {"id": 2, "snippet": "other"}]}
+    assert SearchTool().result_text(hits) == "best hit"
+    assert SearchTool().result_text({"query": "q", "results": []}) == '{"query": "q", "results": []}'
+    # any other tool: its text, or its result as JSON, whatever its keys
+    plain = Tool()
+    assert plain.result_text("  text \n") == "text"
+    assert plain.result_text({"result": 1}) == '{"result": 1}'

@@ -618,23 +618,16 @@ async def _execute(call: _Call, calls: List[_Call]) -> Any:
             if res is None:
                 call.error = f"step ${n} has no result"
                 return None
-            values[n] = _reference_value(res)
+            values[n] = _reference_value(dep, res)
         args = _plan_arguments(call.tool.parameters, args, values)
     return await call.runtime_call.finish(args)
 
 
-def _reference_value(res: Any) -> str:
+def _reference_value(dep: "_Call", res: Any) -> str:
+    """A finished step's result as a later step's ``$N`` reads it: the tool says how."""
     if not res.ok:
         return f"(error: {res.error})"
-    c = res.content
-    if isinstance(c, dict) and "result" in c:  # calculator, python: the value itself
-        c = c["result"]
-    elif isinstance(c, dict) and isinstance(c.get("results"), list) and c["results"]:  # search: best hit
-        top = c["results"][0]
-        c = top.get("snippet") or top.get("text") or top if isinstance(top, dict) else top
-    if isinstance(c, str):
-        return c.strip()
-    return json.dumps(c, ensure_ascii=False)
+    return dep.tool.result_text(res.content)
 
 
 def _plan_arguments(parameters: Optional[Dict[str, Any]], step: Dict[str, Any],

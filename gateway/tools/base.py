@@ -49,6 +49,7 @@ bug in the tool.
 from __future__ import annotations
 
 import enum
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -239,6 +240,17 @@ class Tool:
 
     def on_close(self) -> None:
         """The call ended (finished, failed or cancelled): release per-call resources."""
+
+    # -- results (gateway process) -----------------------------------------------------
+
+    def result_text(self, content: Any) -> str:
+        """How one of this tool's results reads where a later step refers to it
+        (a plan format's ``$N``): the value a reader wants, not the whole record.
+        The default is the text itself, or the result as JSON; a tool whose result
+        is a record overrides it (the calculator answers with its ``result``)."""
+        if isinstance(content, str):
+            return content.strip()
+        return json.dumps(content, ensure_ascii=False)
 
     # -- declarations and validation (gateway process) -------------------------------
 
