@@ -345,21 +345,20 @@ def kv_bytes_per_token(model) -> int:
 
 def load_native_model(model: Optional[str], dtype: str = "float32"):
     """Model and tokenizer loaded once (every variant's engine shares the
-    weights), on a thread that ends (see ``engine._in_passing_thread``)."""
+    weights), on a thread that ends (see ``loader.in_passing_thread``)."""
     import torch
 
     from interlace.engine_ext.embedded import embedded_model_dir
-    from interlace.engine_ext.native.engine import _in_passing_thread, resolve_dtype
-    from interlace.engine_ext.native.loader import load_config, load_model, resolve_model_dir
+    from interlace.engine_ext.native.loader import (in_passing_thread, load_config, load_model, resolve_dtype,
+                                                    resolve_model_dir)
     from interlace.engine_ext.tokenizer import Tokenizer
 
     def build():
         d = resolve_model_dir(model) if model else embedded_model_dir()
         raw, _ = load_config(d)
         m = load_model(d, resolve_dtype(dtype, torch.device("cpu")), torch.device("cpu"))
-        tok = Tokenizer(d, raw) if (Path(d) / "tokenizer.json").exists() else None
-        return m, tok, Path(d).name
-    return _in_passing_thread(build)
+        return m, Tokenizer.from_model_dir(d, raw), Path(d).name
+    return in_passing_thread(build)
 
 
 def measure_native_profile(model, tokenizer, kv_cache_tokens: int, max_batched_tokens: int):

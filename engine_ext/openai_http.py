@@ -490,11 +490,8 @@ def load_openai_engine(engine: Dict[str, Any], tokenizer_path: str, policy: Any 
     api_key = engine.get("api_key")
 
     model_dir = _resolve_dir(tokenizer_path)
-    cfg_path = model_dir / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    if not (model_dir / "tokenizer.json").is_file():
-        raise ValueError(f"the openai engine needs the model's tokenizer: no tokenizer.json in {model_dir}")
-    tokenizer = Tokenizer(model_dir, config)
+    tokenizer = Tokenizer.from_model_dir(model_dir, needed_by="the openai engine")
+    config = tokenizer.config  # the model's config.json
     vocab_size = int(config.get("vocab_size") or tokenizer.vocab_size)
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -3,16 +3,19 @@
 Uses the ``tokenizers`` library on the model directory's tokenizer.json and
 renders the chat template with Jinja2 the way transformers does (sandboxed,
 ``trim_blocks``/``lstrip_blocks``), without importing transformers at serve
-time.
+time.  Every engine, the engine worker and the benches load a model
+directory's tokenizer one way, :meth:`Tokenizer.from_model_dir` (which of its
+files count, and what a missing tokenizer.json means).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -109,7 +112,11 @@ def split_untrusted(marked: str, real: str, marks: UntrustedText) -> List[Tuple[
 
 class Tokenizer:
     def __init__(self, model_dir: Path, config: Optional[dict] = None):
+        """The tokenizer of ``model_dir``, which holds a tokenizer.json; ``config``: the model's
+        config.json (its ``vocab_size`` and ``eos_token_id`` count).  Loaders of a model
+        directory use :meth:`from_model_dir`, which finds both."""
         model_dir = Path(model_dir)
+        self.config: dict = config or {}  # the model's config.json, as given
         self.tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         tc_path = model_dir / "tokenizer_config.json"
         tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
@@ -136,6 +143,25 @@ class Tokenizer:
                                                                              reverse=True)))
                             if self.special_tokens else None)
         self._plain: Optional[HFTokenizer] = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike, config: Optional[dict] = None, *,
+                       needed_by: Optional[str] = None) -> Optional["Tokenizer"]:
+        """The tokenizer of a Hugging Face-style model directory: its tokenizer.json, with
+        tokenizer_config.json, chat_template.jinja and generation_config.json where present, and
+        the vocabulary size and end-of-sequence ids of its config.json (``config``: that file
+        when the caller has read it already; none in the directory: ``{}``).
+
+        Without a tokenizer.json: None (an engine then takes and returns token ids only), or,
+        where ``needed_by`` names what cannot do without one, a ValueError saying so."""
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file():
+            if needed_by is not None:
+                raise ValueError(f"{needed_by} needs the model's tokenizer: no tokenizer.json in {model_dir}")
+            return None
+        if config is None:
+            config = cls._json(model_dir / "config.json")
+        return cls(model_dir, config)
 
     @staticmethod
     def _json(p: Path) -> dict:

@@ -79,17 +79,6 @@ _ASYNC_CALLS = frozenset({"free_context", "pause", "resume", "park", "truncate",
 #: Non-blocking engine calls nobody waits for (their errors are logged in the child).
 _POSTS = frozenset({"free_context_nowait", "set_pause_hint", "set_request_hint"})
 
-#: The engine this process serves as a worker (set in the child only).
-_serving: Any = None
-
-
-def serving_engine() -> Any:
-    """The :class:`NativeEngine` this process runs as a :class:`ProcessEngine`
-    worker, None in any other process.  Logits processors rebuilt in the
-    worker when they are unpickled use it (its ``tokenizer``)."""
-    return _serving
-
-
 def _processor_name(proc: Any) -> str:
     return getattr(proc, "__qualname__", None) or type(proc).__qualname__
 
@@ -184,8 +173,9 @@ class ProcessEngine:
 
     Logits processors: ``generate`` pickles each one and the child runs its
     copy.  A processor holding what does not pickle gives a recipe instead
-    (``__reduce__``): the gateway's ``GrammarProcessor`` rebuilds itself from
-    its grammar spec for the engine's tokenizer (:func:`serving_engine`).
+    (``__reduce__``): a ``GrammarProcessor`` rebuilds itself from its grammar
+    spec for the engine's tokenizer, which the child declares once its engine
+    is built (``constraints.grammar.serve_in_worker``).
     One that cannot be pickled, or rebuilt in the child, makes ``generate``
     raise :class:`InvalidSampling` naming it, before anything changes.  The
     caller's objects stay in this process and never see a token: their state
@@ -268,7 +258,9 @@ class ProcessEngine:
             if kind == "failed":
                 raise _unpack_error(payload)
             assert kind == "ready", kind
-            tokenizer = _load_tokenizer(Path(payload["model_dir"]))
+            from .tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_model_dir(payload["model_dir"])  # as NativeEngine.load builds it
         except BaseException:
             _stop_process(process, graceful=1.0)  # a child that failed exits by itself
             parent_conn.close()
@@ -621,25 +613,10 @@ def _stop_process(process: Any, graceful: float) -> None:
         process.join(timeout=5.0)
 
 
-def _load_tokenizer(model_dir: Path) -> Any:
-    """The Interlace tokenizer of the model directory (None without a
-    tokenizer.json), as :meth:`NativeEngine.load` builds it."""
-    if not (model_dir / "tokenizer.json").exists():
-        return None
-    import json
-
-    from .tokenizer import Tokenizer
-
-    cfg_path = model_dir / "config.json"
-    raw = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-    return Tokenizer(model_dir, raw)
-
-
 # ====================================================================== child side
 def _child_main(conn: Any, native_kwargs: Dict[str, Any], policy: Any, name: str, log_level: int) -> None:
     """The worker process: build the engine, say so, serve until told to stop
     or the parent goes away."""
-    global _serving
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent closes us
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s")
@@ -682,7 +659,9 @@ def _child_main(conn: Any, native_kwargs: Dict[str, Any], policy: Any, name: str
                               if hasattr(engine.scheduler.ranking, "inner") else None),
             "torch_threads": torch.get_num_threads(), "stats": _engine_load(engine),
             "variant_names": sorted(engine.variant_names)}
-    _serving = engine
+    from .constraints.grammar import serve_in_worker
+
+    serve_in_worker(engine.name, engine.tokenizer)  # grammar processors shipped here rebuild for its tokenizer
     try:
         send("ready", None, info)
         asyncio.run(_ChildServer(engine, conn, send).serve())
@@ -831,7 +810,7 @@ class _ChildServer:
             else:
                 op = self.fills.pop(call_id, None)
                 if op is not None:  # its answer had crossed the cancel: undo it as a cancelled fill
-                    self.engine._post(lambda: self.engine._undo_fill(op))
+                    self.engine.undo_fill(op)
         else:
             log.error("engine worker: unknown message %r", kind)
 
@@ -868,13 +847,8 @@ class _ChildServer:
         arriving after the answer left still undoes it."""
         from .native.sequence import FillOp
 
-        eng = self.engine
         op = FillOp(None)
-        try:
-            n = await eng._call(eng._cmd_fill, context_id, tokens, parent_id, op, hint, variant)
-        except asyncio.CancelledError:
-            eng._post(lambda: eng._undo_fill(op))
-            raise
+        n = await self.engine.fill(context_id, tokens, parent_id, hint, variant, op=op)  # undone if cancelled
         self.fills[call_id] = op  # the op holds its context: kept only for the crossing window
         asyncio.get_running_loop().call_later(self.KEEP_FILL_S, self.fills.pop, call_id, None)
         return n

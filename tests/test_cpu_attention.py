@@ -136,23 +136,23 @@ def test_engine_with_the_kernel_generates_what_the_torch_path_does(smol_dir):
     got = {}
     for attention in ("torch", "kernel"):
         with NativeEngine.load(smol_dir, kv_cache_tokens=4096, attention=attention) as eng:
-            assert (eng.runner.attention_kernel is not None) == (attention == "kernel")
+            assert eng.runner.attention.name == attention
             got[attention] = asyncio.run(run(eng))
     assert got["kernel"] == got["torch"]
 
 
 def test_without_a_compiler_auto_falls_back_and_kernel_is_an_error(tmp_path, monkeypatch, caplog):
-    from interlace.engine_ext.native.engine import _attention_kernel
+    from interlace.engine_ext.native.attention import choose_backend
 
     monkeypatch.setenv("CXX", "/no/such/compiler")
     monkeypatch.setattr(cpu_attention, "_loaded", {})
     monkeypatch.setattr(cpu_attention, "FLAGS", (*cpu_attention.FLAGS, "-DFRESH"))  # not the cached build
     monkeypatch.setattr("interlace.engine_ext.native.loader.cache_root", lambda: tmp_path)
     with caplog.at_level(logging.WARNING):
-        assert _attention_kernel("auto", torch.device("cpu")) is None
+        assert choose_backend("auto", torch.device("cpu")).name == "torch"
     assert "not available" in caplog.text
     with pytest.raises(ValueError, match="cannot be built"):
-        _attention_kernel("kernel", torch.device("cpu"))
-    with pytest.raises(ValueError, match="'torch', 'kernel', 'triton' or 'auto'"):
-        _attention_kernel("fast", torch.device("cpu"))
-    assert _attention_kernel("torch", torch.device("cpu")) is None
+        choose_backend("kernel", torch.device("cpu"))
+    with pytest.raises(ValueError, match="'auto', 'kernel', 'triton' or 'torch'"):
+        choose_backend("fast", torch.device("cpu"))
+    assert choose_backend("torch", torch.device("cpu")).name == "torch"

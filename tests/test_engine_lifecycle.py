@@ -9,7 +9,7 @@ import time
 import pytest
 
 from interlace.engine_ext import errors as E
-from interlace.engine_ext.native import engine as engine_mod
+from interlace.engine_ext.native import output as output_mod
 from interlace.engine_ext.native.engine import NativeEngine
 from interlace.engine_ext.protocol import SamplingParams
 
@@ -188,7 +188,7 @@ def test_close_ends_waiting_streams_and_fills(tiny_dirs):
 def test_step_error_reaches_every_stream(eng, monkeypatch):
     """A step that fails while sampling contexts taken off the ready list
     (a generate right after a fill) must fail their streams, not drop them."""
-    real_sample = engine_mod.sample
+    real_sample = output_mod.sample
     target = SamplingParams(max_tokens=5, ignore_eos=True)
     calls = []
 
@@ -210,12 +210,12 @@ def test_step_error_reaches_every_stream(eng, monkeypatch):
         b = asyncio.create_task(run_b())
         while not b_events:
             await asyncio.sleep(0.001)
-        monkeypatch.setattr(engine_mod, "sample", failing_sample)
+        monkeypatch.setattr(output_mod, "sample", failing_sample)
         with pytest.raises(E.EngineError, match="injected"):
             await asyncio.wait_for(tokens_of_params(eng, "a", target), 10)
         with pytest.raises(E.EngineError, match="injected"):  # b was running in the failed step too
             await asyncio.wait_for(b, 10)
-        monkeypatch.setattr(engine_mod, "sample", real_sample)
+        monkeypatch.setattr(output_mod, "sample", real_sample)
         assert len(await tokens_of(eng, "a", 3)) == 3  # the engine still serves
         for c in ("a", "b"):
             await eng.free_context(c)

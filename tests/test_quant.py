@@ -243,7 +243,7 @@ def write_gguf(path, hf_dir, embed_type=T.Q4_1, head_type=T.Q8_0):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    from tiny_models import make_tiny_model
+    from helpers.tiny_models import make_tiny_model
 
     root = tmp_path_factory.mktemp("qgguf")
     make_tiny_model("llama", root / "hf", seed=5)
@@ -431,9 +431,9 @@ def test_config_accepts_weights_and_rejects_unknown_values():
     assert "weights" not in parse_config({"models": {"m": {"path": "embedded"}}}).models["m"].engine_args
     with pytest.raises(ConfigError, match=r"models\.m\.weights: 'q4' is not one of"):
         parse_config({"models": {"m": {"path": "embedded", "weights": "q4"}}})
-    from interlace.gateway.app import NATIVE_LOAD_KEYS
+    from interlace.engine_ext.native.options import LOAD_KEYS
 
-    assert "weights" in NATIVE_LOAD_KEYS  # reaches NativeEngine.load
+    assert "weights" in LOAD_KEYS  # reaches NativeEngine.load
 
 
 def test_cli_generate_takes_weights():
@@ -447,7 +447,7 @@ def test_cli_generate_takes_weights():
 def test_auto_dtype_with_quantized_weights_computes_in_float32(monkeypatch):
     """Quantized matmuls take float32 activations whatever the dtype: ``auto`` stays float32 for
     them even where it would pick bfloat16 for dense weights (a CPU with native bfloat16)."""
-    from interlace.engine_ext.native import engine as E
+    from interlace.engine_ext.native import loader as E
 
     monkeypatch.setattr(E, "cpu_has_native_bf16", lambda: True)
     cpu = torch.device("cpu")
@@ -463,7 +463,7 @@ def test_on_a_gpu_the_default_is_bfloat16_and_as_shipped_loads_dequantized(monke
     kernels spill), so a GPU's default compute dtype is bfloat16; the shipped config's ``weights:
     as-shipped`` (CPU matmul kernels) loads the GGUF dequantized there instead of refusing to start;
     ``int8`` is refused with one line.  (Device objects only: no CUDA needed.)"""
-    from interlace.engine_ext.native import engine as E
+    from interlace.engine_ext.native import loader as E
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
@@ -476,7 +476,7 @@ def test_on_a_gpu_the_default_is_bfloat16_and_as_shipped_loads_dequantized(monke
 
     loaded = {}
 
-    class Probe(E.NativeEngine):  # the load path without starting an engine
+    class Probe(NativeEngine):  # the load path without starting an engine
         def __init__(self, model, tok=None, **kw):
             self.model, self.kw = model, kw
 

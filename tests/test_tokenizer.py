@@ -1,5 +1,7 @@
-"""Streaming detokenization never emits broken UTF-8 and adds up to the full text."""
+"""Streaming detokenization never emits broken UTF-8 and adds up to the full text; a model
+directory's tokenizer loads one way (``Tokenizer.from_model_dir``)."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,3 +31,52 @@ def test_multibyte_samples(smol_engine):
 @given(text=st.text(min_size=1, max_size=40))
 def test_any_text_roundtrips(smol_engine, text):
     check(smol_engine.tokenizer, text)
+
+
+# ------------------------------------------------------------------ Tokenizer.from_model_dir
+def _model_dir(path, config=None):
+    """A model directory with a word-level tokenizer.json (and ``config`` as its config.json)."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    words = ["[UNK]", "<|endoftext|>", "<|end|>", "Hello", "world"]
+    hf = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    path.mkdir()
+    hf.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_from_model_dir_reads_the_config_beside_the_tokenizer(tmp_path):
+    """The model's config.json counts: its eos ids join the tokenizer's own, and its vocab_size
+    (padded past the tokenizer's words) is the vocabulary's size; a config the caller already
+    read is used as given; a directory without one still loads."""
+    from interlace.engine_ext.tokenizer import Tokenizer
+
+    d = _model_dir(tmp_path / "m", {"vocab_size": 64, "eos_token_id": 2})
+    tok = Tokenizer.from_model_dir(str(d))
+    assert tok.encode("Hello world") == [3, 4]
+    assert tok.eos_token_ids == {1, 2} and tok.vocab_size == 64 and tok.config["vocab_size"] == 64
+    given = Tokenizer.from_model_dir(d, {"vocab_size": 8})
+    assert given.eos_token_ids == {1} and given.vocab_size == 8
+    bare = Tokenizer.from_model_dir(_model_dir(tmp_path / "bare"))
+    assert bare.eos_token_ids == {1} and bare.vocab_size == 5 and bare.config == {}
+
+
+def test_from_model_dir_without_a_tokenizer_json(tmp_path):
+    """None where an engine can serve token ids alone; an error naming the directory where the
+    caller cannot do without a tokenizer (the openai and vllm engines)."""
+    from interlace.engine_ext.tokenizer import Tokenizer
+
+    d = tmp_path / "weights-only"
+    d.mkdir()
+    (d / "config.json").write_text('{"vocab_size": 64}')
+    assert Tokenizer.from_model_dir(d) is None
+    with pytest.raises(ValueError) as err:
+        Tokenizer.from_model_dir(d, needed_by="the openai engine")
+    assert str(err.value) == f"the openai engine needs the model's tokenizer: no tokenizer.json in {d}"

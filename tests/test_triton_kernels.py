@@ -352,7 +352,7 @@ def test_engine_with_triton_attention_generates_what_the_torch_path_does(tiny_di
     from interlace.engine_ext.protocol import SamplingParams
 
     if kind == "mistral":
-        from tiny_models import make_tiny_model
+        from helpers.tiny_models import make_tiny_model
 
         make_tiny_model("mistral", tmp_path / "mistral", seed=7)
         model_dir = tmp_path / "mistral"
@@ -382,10 +382,10 @@ def test_engine_with_triton_attention_generates_what_the_torch_path_does(tiny_di
 
 
 def test_engine_attention_setting_names_triton():
-    from interlace.engine_ext.native.engine import _attention_kernel
+    from interlace.engine_ext.native.attention import choose_backend
     from interlace.engine_ext.native.kernels.attention import TritonAttention
 
-    assert isinstance(_attention_kernel("triton", torch.device("cpu")), TritonAttention)
-    assert not isinstance(_attention_kernel("auto", torch.device("cpu")), TritonAttention)  # a CPU: its C kernel
+    assert isinstance(choose_backend("triton", torch.device("cpu")), TritonAttention)
+    assert not isinstance(choose_backend("auto", torch.device("cpu")), TritonAttention)  # a CPU: its C kernel
     with pytest.raises(ValueError, match="'triton'"):
-        _attention_kernel("cuda-graphs", torch.device("cpu"))
+        choose_backend("cuda-graphs", torch.device("cpu"))

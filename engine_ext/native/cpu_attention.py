@@ -1,6 +1,6 @@
 """Decode attention on the CPU that reads the paged KV cache in place.
 
-The torch path (``Attention._decode_attention``) gathers every decoding
+The torch path (:class:`.attention.TorchAttention`) gathers every decoding
 context's blocks into one padded tensor per layer and runs two batched
 matmuls: at batch 32 and 130-token contexts the gather and the matmuls were
 a quarter of a decode step, for arithmetic that is a few hundred MFLOP.  This

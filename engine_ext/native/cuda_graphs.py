@@ -178,7 +178,7 @@ class DecodeGraphs:
         args = TritonStepArgs(prefill_rows=None, prefill_tables=None, cu_seqlens=None, start_pos=None, max_new=0,
                               decode_rows=rows, decode_tables=self.static[:b, TABLE:], decode_lens=cols[LEN],
                               window=self.window, num_splits=self.num_splits[b])
-        meta = AttentionMetadata(slot_mapping=cols[SLOT], prefills=[], triton=self.triton, triton_args=args,
+        meta = AttentionMetadata(slot_mapping=cols[SLOT], attention=self.triton, attention_args=args,
                                  fused=self.fused)
         return self.model(cols[ID], cols[POS], self.kv, meta, rows)
 

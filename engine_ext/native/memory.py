@@ -16,7 +16,7 @@ The KV cache is also never sized past the memory actually free (another
 process or engine on the same GPU).
 
 :func:`kv_blocks_for` is the pure rule (tested on any machine); the
-measurement needs CUDA.
+measurement needs CUDA; :func:`blocks_from_memory` puts the two together for an engine.
 """
 
 from __future__ import annotations
@@ -76,13 +76,33 @@ def kv_blocks_for(total_bytes: int, weights_bytes: int, activation_peak_bytes: i
     return int(blocks)
 
 
+def blocks_from_memory(model: Any, utilization: float, max_batched_tokens: int, block_size: int,
+                       kv_dtype: torch.dtype, device: torch.device, attention: Any) -> int:
+    """KV blocks for ``model``'s engine from the GPU's memory (CUDA): :func:`kv_blocks_for` with
+    the activation peak of one dummy forward of ``max_batched_tokens`` tokens through the
+    ``attention`` backend, measured before the cache exists."""
+    from .model_runner import ModelRunner
+    from .quant import weight_bytes
+
+    peak, other = measure_activation_peak(model, max_batched_tokens, block_size, kv_dtype, device, attention)
+    free, total = torch.cuda.mem_get_info(device)
+    weights = weight_bytes(model)  # parameters, buffers, any prepacked copies
+    per_block = ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype)
+    blocks = kv_blocks_for(total, weights, peak, utilization, per_block, other, free_bytes=free)
+    log.info("KV cache: %d blocks of %d tokens (%.2f GiB) from gpu_memory_utilization %g of %.2f GiB "
+             "(weights %.2f GiB, activation peak %.2f GiB)", blocks, block_size, blocks * per_block / GIB,
+             utilization, total / GIB, weights / GIB, peak / GIB)
+    return blocks
+
+
 def measure_activation_peak(model: Any, max_batched_tokens: int, block_size: int, kv_dtype: torch.dtype,
-                            device: torch.device, attention_kernel: Any) -> Tuple[int, int]:
+                            device: torch.device, attention: Any) -> Tuple[int, int]:
     """``(activation peak, other)`` bytes of one dummy prefill of ``max_batched_tokens`` tokens (CUDA).
 
     The forward runs through a :class:`~.model_runner.ModelRunner` of its own with just the blocks
-    the dummy context needs (their bytes are not counted as activations), on the real attention
-    path, with CUDA graphs off.  Everything it allocated is freed before returning.
+    the dummy context needs (their bytes are not counted as activations), through the engine's
+    ``attention`` backend (:mod:`.attention`), with CUDA graphs off.  Everything it allocated is
+    freed before returning.
     """
     if device.type != "cuda":
         raise ValueError(f"measuring the activation peak needs a CUDA device, not {device}")
@@ -95,7 +115,7 @@ def measure_activation_peak(model: Any, max_batched_tokens: int, block_size: int
     nb = -(-n // block_size)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    runner = ModelRunner(model, nb, block_size, kv_dtype, device, None, attention_kernel, cuda_graphs=False)
+    runner = ModelRunner(model, nb, block_size, kv_dtype, device, None, attention, cuda_graphs=False)
     cache_bytes = runner.kv.numel() * runner.kv.element_size()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -13,21 +13,24 @@ from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 
+from .attention import TorchAttention
 from .block_sharing import VariantSet
-from .models.llama import AttentionMetadata, LlamaForCausalLM, PrefillSpan
+from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .scheduler import Batch
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device, variants: Optional[VariantSet] = None,
-                 attention_kernel: Optional[Any] = None, *, max_seqs: int = 256,
+                 attention: Optional[Any] = None, *, max_seqs: int = 256,
                  max_model_len: Optional[int] = None, cuda_graphs: Optional[bool] = None,
                  fused_ops: Optional[bool] = None):
-        """``attention_kernel``: a :class:`~.cpu_attention.PagedDecodeKernel` for decode attention on
-        the CPU (reads the blocks in place), a :class:`~.kernels.attention.TritonAttention` for the KV
-        store, prefill and decode attention as Triton kernels (any device), or None for the torch path
-        (the gather; the reference numerics).
+        """``attention``: the attention backend (:func:`.attention.choose_backend`): a
+        :class:`~.attention.KernelAttention` (decode attention on the CPU reading the blocks in place),
+        a :class:`~.kernels.attention.TritonAttention` (the KV store, prefill and decode attention as
+        Triton kernels, any device), or None / a :class:`~.attention.TorchAttention` for the torch
+        path (the gather; the reference numerics), which also stands in for a backend that does not
+        support this model's KV dtype or head shape (and for the CPU kernel off the CPU).
 
         ``cuda_graphs``: decode-only steps through :class:`~.cuda_graphs.DecodeGraphs` (the Triton
         attention only): captured CUDA graphs on a GPU; on a CPU (``True``, for the tests) the same
@@ -40,11 +43,11 @@ class ModelRunner:
         on CUDA); True: the Triton ops with the Triton attention on any device (on a CPU under
         Triton's interpreter: for the tests), else as None; False: never."""
         cfg = model.cfg
-        triton = getattr(attention_kernel, "name", None) == "triton"
-        supported = attention_kernel is not None and attention_kernel.supports(
-            kv_dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim) and (device.type == "cpu" or triton)
-        self.attention_kernel = attention_kernel if supported else None
-        self.triton = self.attention_kernel if triton and supported else None
+        if attention is None or not attention.supports(kv_dtype, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim) \
+                or (attention.name == "kernel" and device.type != "cpu"):
+            attention = TorchAttention()
+        self.attention = attention
+        self.triton = attention if attention.name == "triton" else None  # what the decode graphs replay
         self.model = model
         # the fused ops write the cache themselves (rope_store): the C++ ops with the torch or C++ attention
         # on the CPU, the Triton ops (``kernels/fused.py``) with the Triton attention; both in its layout
@@ -130,10 +133,8 @@ class ModelRunner:
         ids: List[int] = []
         pos: List[int] = []
         slot_mapping: List[int] = []
-        prefills: List[PrefillSpan] = []
-        decode_rows: List[int] = []
-        decode_chunks = []
-        prefill_chunks: List[int] = []
+        prefills: List[tuple] = []  # (first row, rows, start position, blocks) per prefill chunk
+        decodes: List[tuple] = []   # (row, keys, blocks) per decode row
         logit_rows: List[int] = []
         logit_chunks: List[int] = []
         bs = self.block_size
@@ -151,78 +152,26 @@ class ModelRunner:
             blocks = ctx.table.blocks
             slot_mapping += [blocks[p // bs] * bs + p % bs for p in range(ch.start, end)]
             if ch.num == 1 and ch.start > 0:
-                decode_rows.append(row)
-                decode_chunks.append(ch)
+                decodes.append((row, ch.start + 1, blocks))
             else:
-                nb = -(-end // bs)
-                prefill_chunks.append(ci)
-                prefills.append(PrefillSpan(row, ch.num, ch.start,
-                                            tensor(blocks[:nb], torch.long),
-                                            # the Triton kernels mask by position themselves
-                                            None if self.triton is not None else self._prefill_mask(ch.start, end)))
+                prefills.append((row, ch.num, ch.start, blocks))
             if ch.reaches_end:
                 logit_rows.append(row + ch.num - 1)
                 logit_chunks.append(ci)
-        meta = AttentionMetadata(slot_mapping=tensor(slot_mapping, torch.long),
-                                 prefills=prefills, fused=self.fused)
+        meta = AttentionMetadata(slot_mapping=tensor(slot_mapping, torch.long), attention=self.attention,
+                                 attention_args=self.attention.step_args(prefills, decodes, bs, self.window or 0,
+                                                                         dev, tensor),
+                                 fused=self.fused)
         if self.variants is not None and len(self.variants) > 1:
             meta.variants = self.variants.batch([batch.chunks[ci].ctx.variant for ci in order
                                                  for _ in range(batch.chunks[ci].num)])
             meta.fused = None
-        if self.triton is not None:
-            meta.triton = self.triton
-            meta.triton_args = self.triton.step_args(
-                [(p.row_start, p.num_new, p.start_pos, batch.chunks[ci].ctx.table.blocks)
-                 for p, ci in zip(prefills, prefill_chunks)],
-                [(r, ch.start + 1, ch.ctx.table.blocks) for r, ch in zip(decode_rows, decode_chunks)],
-                bs, self.window or 0, dev, tensor)
-        elif decode_rows and self.attention_kernel is not None:
-            tables: List[int] = []
-            starts: List[int] = []
-            for ch in decode_chunks:
-                starts.append(len(tables))
-                tables += ch.ctx.table.blocks[:-(-(ch.start + 1) // bs)]
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-            meta.decode_kernel = self.attention_kernel
-            meta.decode_tables = torch.tensor(tables, dtype=torch.long)
-            meta.decode_starts = torch.tensor(starts, dtype=torch.long)
-            meta.decode_lens = torch.tensor([ch.start + 1 for ch in decode_chunks], dtype=torch.long)
-            meta.window = self.window or 0
-        elif decode_rows:
-            lens = [ch.start + 1 for ch in decode_chunks]
-            nb = -(-max(lens) // bs)
-            bt = torch.zeros(len(lens), nb, dtype=torch.long, device=dev)
-            for i, ch in enumerate(decode_chunks):
-                b = ch.ctx.table.blocks[:nb]
-                bt[i, :len(b)] = torch.tensor(b, dtype=torch.long)
-            lens_t = torch.tensor(lens, device=dev)
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
-            meta.decode_blocks = bt
-            keys = torch.arange(nb * bs, device=dev)[None, :]
-            masked = keys >= lens_t[:, None]
-            if self.window is not None and max(lens) > self.window:  # the query is at lens - 1
-                masked |= keys < (lens_t - self.window)[:, None]
-            meta.decode_masked = masked[None, :, None, :]
         ids_t, pos_t, rows_t = tensor(ids, torch.long), tensor(pos, torch.long), tensor(logit_rows, torch.long)
         if stage is not None:  # one copy of everything staged above, then the placeholders become its views
             stage.upload()
             meta = stage.resolve(meta)
             ids_t, pos_t, rows_t = stage.resolve([ids_t, pos_t, rows_t])
         return _finished(self.model(ids_t, pos_t, self.kv, meta, rows_t)), logit_chunks
-
-    def _prefill_mask(self, start: int, end: int):
-        """Which keys [0, end) each new position [start, end) attends to, or
-        None where plain causal attention from position 0 does it."""
-        w = self.window
-        windowed = w is not None and end > w
-        if start == 0 and not windowed:
-            return None
-        q = torch.arange(start, end, device=self.device)[:, None]
-        k = torch.arange(end, device=self.device)[None, :]
-        mask = k <= q
-        if windowed:
-            mask &= k > q - w
-        return mask
 
 
 def _finished(logits: torch.Tensor) -> torch.Tensor:

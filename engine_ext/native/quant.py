@@ -71,8 +71,6 @@ from .models.llama import LlamaForCausalLM, ModelConfig, UnsupportedModel, rope_
 
 log = logging.getLogger(__name__)
 
-#: The values of the ``weights`` setting.
-WEIGHTS = ("as-shipped", "float32", "bfloat16", "int8")
 GROUP = 32  # a GGUF block of Q4_0/Q4_1/Q8_0 = one aten int4 group
 
 # ggml type ids (gguf.GGMLQuantizationType), kept here so importing this module does not import gguf
@@ -660,7 +658,7 @@ def _has_tokenizer(gguf_path: Path) -> bool:
     return "tokenizer.ggml.model" in GGUFReader(str(gguf_path)).fields
 
 
-__all__ = ["WEIGHTS", "QuantError", "GGUFTensor", "read_gguf_tensors", "dequantize_rows", "int4_groups",
+__all__ = ["QuantError", "GGUFTensor", "read_gguf_tensors", "dequantize_rows", "int4_groups",
            "Int4Groups", "Int4Linear", "Int8Linear", "QuantEmbedding", "model_from_gguf", "quantize_int8",
            "gguf_file", "gguf_meta_dir", "permute_rows", "unpermute_rows", "hf_name", "linear_modules", "weight_bytes",
            "int4_kernel", "gguf_blocks"]

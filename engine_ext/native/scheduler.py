@@ -143,7 +143,17 @@ class Scheduler:
         self.ranking.observe([ch.ctx for ch in batch.chunks], [c for c in order if c not in scheduled])
         return batch
 
-    def _victim(self, ctx: Context, order: List[Context], scheduled: Set[Context],
+    def make_room(self) -> bool:
+        """Drop the KV of one context that is not running (idle, then paused: the drop order
+        below) to free device blocks outside :meth:`schedule` (a swap-in's blocks).  False:
+        no such context holds a block whose drop would free it."""
+        victim = self._victim(None, [], set())
+        if victim is None:
+            return False
+        self.preempt(victim)
+        return True
+
+    def _victim(self, ctx: Optional[Context], order: List[Context], scheduled: Set[Context],
                 spare_paused: bool = False) -> Optional[Context]:
         """The first context, in drop order, whose KV it helps to drop.
 

@@ -134,11 +134,11 @@ def load_zoo_engine(names: Sequence[str], zoo: Optional[str] = None, *, dtype: O
     quantized format."""
     import torch
 
+    from ..tokenizer import Tokenizer
     from ..zoo import Zoo
     from .block_sharing import VariantSet
-    from .engine import NativeEngine, _in_passing_thread, resolve_weights
-    from .loader import model_from_tensors
-    from ..tokenizer import Tokenizer
+    from .engine import NativeEngine
+    from .loader import in_passing_thread, model_from_tensors, resolve_weights
 
     if not names:
         raise ValueError("a zoo engine needs at least one variant")
@@ -164,11 +164,9 @@ def load_zoo_engine(names: Sequence[str], zoo: Optional[str] = None, *, dtype: O
             v = z.load(name)
             variants.add(name, tensors=v.tensors if v.kind == "full" else None,
                          block_hashes=v.block_hashes if v.kind == "full" else None, lora=v.lora, kind=v.kind)
-        tok = (Tokenizer(base.base_dir, base.config) if (Path(base.base_dir) / "tokenizer.json").exists()
-               else None)
-        return model, tok, variants, base.name
+        return model, Tokenizer.from_model_dir(base.base_dir, base.config), variants, base.name
 
-    model, tok, variants, name = _in_passing_thread(build)
+    model, tok, variants, name = in_passing_thread(build)
     kw.setdefault("name", name)
     return NativeEngine(model, tok, variants=variants, **kw)
 

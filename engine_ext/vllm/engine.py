@@ -279,7 +279,7 @@ def load_vllm_engine(engine: Dict[str, Any], model_path: str, policy: Any = None
             bs = (engine.get("args") or {}).get("block_size") or profile.block_size
             profile = dataclasses.replace(profile, kv_capacity_tokens=int(blocks) * int(bs))
     args = engine_args(engine, model_path, policy, profile)
-    tokenizer = Tokenizer(Path(args.model))
+    tokenizer = Tokenizer.from_model_dir(args.model, needed_by="the vllm engine")
     interception = make_interception("discard", profile, ToolDurations())
     return VLLMEngine(args, tokenizer, name=name, interception=interception)
 
@@ -309,7 +309,8 @@ def _auto_profile(engine: Dict[str, Any], model_path: str, policy: Any, name: st
             log.warning("ignoring the cached profile %s: %s", path, e)
     log.warning("measuring a profile of %s on vLLM (once; cached in %s)", model, path)
     args = engine_args(engine, model_path, _replace_policy(policy, ranking="fcfs"), None)
-    with VLLMEngine(args, Tokenizer(Path(args.model)), name=f"{name}-profile") as probe:
+    with VLLMEngine(args, Tokenizer.from_model_dir(args.model, needed_by="the vllm engine"),
+                    name=f"{name}-profile") as probe:
         prof = measure_request_profile(probe, model=Path(model).name, device=device,
                                        kv_bytes_per_token=probe.kv_bytes_per_token)
     path.parent.mkdir(parents=True, exist_ok=True)

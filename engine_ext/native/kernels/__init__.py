@@ -14,8 +14,8 @@ What lives here (each launcher is a plain function taking torch tensors):
   the batch's block tables);
 * :mod:`.reference` -- plain-PyTorch versions of each, for the tests.
 
-Triton is needed only for these modules.  The CPU path (torch attention in
-``models/llama.py`` or the C++ kernel in ``cpu_attention.py``) never imports
+Triton is needed only for these modules.  The CPU path (the torch attention in
+``attention.py`` or the C++ kernel in ``cpu_attention.py``) never imports
 this package, so the engine runs without Triton installed; :func:`available`
 says whether the kernels can be used.
 

@@ -1,7 +1,8 @@
 """The native engine's attention through the Triton kernels (``attention: triton``).
 
-:class:`TritonAttention` is what the model runner hands each layer instead of
-the torch attention: per step it builds the kernels' arguments once (int32
+:class:`TritonAttention` is one of the engine's attention backends
+(``native/attention.py``, whose ``store``/``attend`` pair each layer calls):
+per step it builds the kernels' arguments once (int32
 block tables padded to the longest context, sequence lengths, the prefill
 chunks' row offsets and start positions, the decode split-K from the
 host-known lengths, and a cascade plan where decode rows share a long prefix;
@@ -90,7 +91,7 @@ def _table(rows: Sequence[Sequence[int]]) -> List[List[int]]:
 
 
 class TritonAttention:
-    """Attention for :class:`~interlace.engine_ext.native.models.llama.Attention` through the kernels."""
+    """The attention backend (``native/attention.py``) through the kernels."""
 
     name = "triton"
     #: layer calls served by cascade decode, in this process (the tests check it was used)

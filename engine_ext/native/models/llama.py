@@ -7,9 +7,10 @@ each, which matters on a CPU where every op has a fixed cost.
 
 The forward pass takes a flat batch: the new tokens of all scheduled contexts
 concatenated (chunked prefills and single-token decodes mixed), with
-:class:`AttentionMetadata` saying which rows belong to which context and where
-their KV goes.  Attention is ``scaled_dot_product_attention`` over keys
-gathered from the cache blocks.
+:class:`AttentionMetadata` saying where their KV goes and carrying the
+engine's attention backend with this step's arguments for it: each layer
+stores its K/V and attends through that one object (``native/attention.py``:
+torch, the CPU kernel or Triton), whichever it is.
 """
 
 from __future__ import annotations
@@ -97,46 +98,26 @@ def _sliding_window(model_type: str, cfg: dict) -> Optional[int]:
 
 @dataclass
 class AttentionMetadata:
-    """Where each row of the flat batch reads and writes KV.
+    """What every layer of one step needs beyond its weights and the hidden states.
 
     ``slot_mapping[t]`` is the cache slot (block * block_size + offset) the
-    t-th new token's K/V is written to.  Prefill chunks (``prefills``) are
-    attended one by one; single-token decodes are gathered into one padded
-    batch (``decode_rows`` / ``decode_blocks`` / ``decode_masked``).  Masks
-    (causal offset, sliding window, padding) are built once per step by the
-    model runner, not once per layer.
+    t-th new token's K/V is written to.  ``attention`` is the engine's
+    attention backend (``native/attention.py``), chosen once: each layer calls
+    its ``store`` and ``attend``; ``attention_args`` is what its ``attend``
+    reads, built once per step by the model runner (``step_args``: block
+    tables, masks, lengths), not once per layer.
     """
 
     slot_mapping: torch.Tensor                    # [T] long
-    prefills: List["PrefillSpan"]
-    decode_rows: Optional[torch.Tensor] = None    # [B] long: rows of the flat batch
-    decode_blocks: Optional[torch.Tensor] = None  # [B, nb] long: block tables, padded
-    decode_masked: Optional[torch.Tensor] = None  # [1, B, 1, nb * block_size] bool: key not attended
-    # the compiled kernel reading the blocks in place (``native/cpu_attention.py``) instead of the padded gather:
-    decode_kernel: Optional[Any] = None           # a cpu_attention.PagedDecodeKernel, or None: the torch path
-    decode_tables: Optional[torch.Tensor] = None  # every decoding context's blocks, concatenated (long)
-    decode_starts: Optional[torch.Tensor] = None  # [B] long: where context b's blocks start in decode_tables
-    decode_lens: Optional[torch.Tensor] = None    # [B] long: keys per context (its length)
-    window: int = 0                               # sliding window (0: none), for the kernel
+    attention: Any                                # the backend: store(k, v, ...) and attend(q, ...)
+    attention_args: Any                           # its arguments for this step (from its step_args)
     # rows of several model variants (BlockLLM, ``native/block_sharing.py``): which weights each row uses
     variants: Optional[Any] = None                # a block_sharing.VariantBatch, or None: the base model only
-    # attention through the Triton kernels (``native/kernels/attention.py``) and this step's arguments, or None
-    triton: Optional[Any] = None                  # a kernels.attention.TritonAttention
-    triton_args: Optional[Any] = None             # its TritonStepArgs
     # the fused ops, or None: eager torch.  ``native/cpu_matmul.py``'s (float32, quantized weights on the CPU)
     # or ``native/kernels/fused.py``'s (Triton, with the Triton attention; float32, bfloat16, float16)
     fused: Optional[Any] = None
     cos: Optional[torch.Tensor] = None            # [T, head_dim] (activation dtype), for the fused rotary embedding
     sin: Optional[torch.Tensor] = None
-
-
-@dataclass
-class PrefillSpan:
-    row_start: int        # first row in the flat batch
-    num_new: int          # rows of this context in the batch
-    start_pos: int        # position of the first new token
-    blocks: torch.Tensor  # [nb] long: the context's blocks covering all its keys
-    mask: Optional[torch.Tensor] = None  # [num_new, L] bool, True = attend; None = plain causal from 0
 
 
 class RMSNorm(nn.Module):
@@ -214,58 +195,9 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = _norm(self.q_norm, q, meta), _norm(self.k_norm, k, meta)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            if meta.triton is not None:
-                meta.triton.store(k, v, k_blocks, v_blocks, meta.slot_mapping)
-            else:
-                k_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping,
-                                                                k.transpose(0, 1).to(k_blocks.dtype))
-                v_blocks.view(self.hkv, -1, self.d).index_copy_(1, meta.slot_mapping,
-                                                                v.transpose(0, 1).to(v_blocks.dtype))
-        if meta.triton is not None:
-            out = meta.triton.attend(q, k_blocks, v_blocks, meta.triton_args, self.scale)
-            return _linear(self.o, out.reshape(T, self.h * self.d), meta)
-
-        out = torch.empty_like(q)
-        for p in meta.prefills:
-            L = p.start_pos + p.num_new
-            qs = q[p.row_start:p.row_start + p.num_new].transpose(0, 1)                          # [H, n, D]
-            ks = k_blocks.index_select(1, p.blocks).view(self.hkv, -1, self.d)[:, :L].to(q.dtype)  # [Hkv, L, D]
-            vs = v_blocks.index_select(1, p.blocks).view(self.hkv, -1, self.d)[:, :L].to(q.dtype)
-            if p.mask is None:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
-            else:
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
-            out[p.row_start:p.row_start + p.num_new] = o.transpose(0, 1)
-        if meta.decode_kernel is not None:
-            out[meta.decode_rows] = meta.decode_kernel(
-                q[meta.decode_rows].float(), k_blocks, v_blocks, meta.decode_tables, meta.decode_starts,
-                meta.decode_lens, self.scale, meta.window).to(q.dtype)
-        elif meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode_attention(q[meta.decode_rows], k_blocks, v_blocks, meta)
+            meta.attention.store(k, v, k_blocks, v_blocks, meta.slot_mapping)
+        out = meta.attention.attend(q, k_blocks, v_blocks, meta.attention_args, self.scale)
         return _linear(self.o, out.reshape(T, self.h * self.d), meta)
-
-    def _decode_attention(self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-                          meta: AttentionMetadata) -> torch.Tensor:
-        """One query row per context against its blocks; q [B, H, D].
-
-        The cache is laid out head-major, so gathering the batch's block
-        tables yields one contiguous [L, D] matrix per (KV head, context):
-        two batched matmuls read the keys and values in place, with the
-        query heads of a GQA group as the rows.  (PyTorch's CPU SDPA kernel
-        would first copy keys and values into [B, H, L, D], and in bfloat16
-        runs several times slower than this at one query row.)  The softmax
-        runs in float32 whatever the dtype.
-        """
-        B = meta.decode_blocks.shape[0]
-        flat = meta.decode_blocks.flatten()
-        hkv, g, d = self.hkv, self.h // self.hkv, self.d
-        kd = k_blocks.index_select(1, flat).view(hkv * B, -1, d).to(q.dtype)   # [Hkv*B, L, D]
-        vd = v_blocks.index_select(1, flat).view(hkv * B, -1, d).to(q.dtype)
-        qg = q.view(B, hkv, g, d).transpose(0, 1).reshape(hkv * B, g, d)
-        s = torch.bmm(qg, kd.transpose(1, 2)).float().mul_(self.scale).view(hkv, B, g, -1)
-        s.masked_fill_(meta.decode_masked, float("-inf"))
-        p = torch.softmax(s, dim=-1).to(q.dtype).view(hkv * B, g, -1)
-        return torch.bmm(p, vd).view(hkv, B, g, d).transpose(0, 1).reshape(B, self.h, d)
 
 
 class MLP(nn.Module):
