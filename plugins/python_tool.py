@@ -53,8 +53,7 @@ from collections.abc import Mapping
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
-from interlace import Granularity, Tool, ToolConfigError
-from interlace.gateway.tools.worker import CPUTimeExceeded, set_hard_limit  # shared with every worker
+from interlace import CPUTimeExceeded, Granularity, Tool, ToolConfigError, set_hard_limit
 
 __all__ = ["PythonTool", "probe_isolation", "isolate_network", "NETWORK_ISOLATION_LABELS"]
 

@@ -22,7 +22,8 @@ import psutil
 import pytest
 
 from interlace.gateway.plugin_host import PluginLoadError, configure_tool
-from interlace.gateway.tools.runtime import ToolResult, ToolRuntime
+from interlace.gateway.tools.call import ToolResult
+from interlace.gateway.tools.runtime import ToolRuntime
 from interlace.gateway.tools.base import InvalidToolArguments, ToolConfigError
 from interlace.plugins.calculator import CalculatorError, CalculatorTool, evaluate
 from interlace.plugins.format_tool import FormatError, FormatTool, safe_format

@@ -63,7 +63,7 @@ def test_public_names_are_exported() -> None:
     expected = {"hookimpl", "Veto", "Tool", "Granularity", "ToolError", "InvalidToolArguments", "ToolVetoed",
                 "ToolTimeout", "ToolCrashed", "ToolCancelled", "UnknownTool", "ToolConfigError", "COMMON_SETTINGS",
                 "StreamingParser", "Text", "ToolCallStart", "ArgumentsDelta", "FieldComplete", "LineComplete",
-                "ToolCallEnd", "ParserError", "PluginHost", "PluginLoadError"}
+                "ToolCallEnd", "ParserError", "PluginHost", "PluginLoadError", "CPUTimeExceeded", "set_hard_limit"}
     assert expected <= set(interlace.__all__)
     assert all(hasattr(interlace, name) for name in interlace.__all__)
 
@@ -80,6 +80,51 @@ def test_example_plugin_uses_only_the_public_package() -> None:
                 imported.update(alias.name for alias in node.names)
     assert "interlace" in imported
     assert not {m for m in imported if m.startswith("interlace.")}
+
+
+def interlace_imports(path: Path, package: str) -> set[str]:
+    """The ``interlace`` modules a module of ``package`` imports (relative imports resolved), anywhere in it."""
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            if node.module:
+                imported.add(f"{base}.{node.module}" if base else node.module)
+            elif base == "interlace":  # from .. import X: the public API's names, or a subpackage
+                imported.update(base if alias.name in interlace.__all__ else f"{base}.{alias.name}"
+                                for alias in node.names)
+            else:
+                imported.add(base)
+    return {m for m in imported if m == "interlace" or m.startswith("interlace.")}
+
+
+def test_builtin_plugins_use_only_the_public_package() -> None:
+    """The built-in plugins are written as any plugin is: of interlace they import ``interlace`` itself
+    (and each other), never the gateway's internals (the python tool's CPU budget and limits included)."""
+    modules = sorted((ROOT / "plugins").glob("*.py"))
+    assert any(path.name == "python_tool.py" for path in modules)
+    internal = {f"{path.name}: {m}" for path in modules for m in interlace_imports(path, "interlace.plugins")
+                if m != "interlace" and m != "interlace.plugins" and not m.startswith("interlace.plugins.")}
+    assert not internal
+
+
+def test_the_plugin_import_check_sees_internal_imports(tmp_path: Path) -> None:
+    """The check above is not vacuous: absolute, relative and lazy imports of internals are all caught."""
+    source = tmp_path / "bad.py"
+    source.write_text(textwrap.dedent("""
+        from interlace import Tool
+        from interlace.gateway.tools.worker import set_hard_limit
+        from ..parsers import formats
+        from .. import Veto, gateway
+        from .calculator import CalculatorTool
+        def later():
+            import interlace.engine_ext.machine
+    """))
+    assert interlace_imports(source, "interlace.plugins") == {
+        "interlace", "interlace.gateway.tools.worker", "interlace.parsers", "interlace.gateway",
+        "interlace.plugins.calculator", "interlace.engine_ext.machine"}
 
 
 def test_example_plugin_tests_pass_without_torch() -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import psutil
 import pytest
 
-from interlace.gateway.tools.runtime import ToolCall, ToolResult, ToolRuntime
+from interlace.gateway.tools.call import ToolCall, ToolResult
+from interlace.gateway.tools.runtime import ToolRuntime
 from interlace.gateway.tools.base import (
     Granularity,
     InvalidToolArguments,
@@ -621,3 +622,40 @@ def test_waiting_caller_that_gives_up_leaves_the_queue() -> None:
     starved, after = run(main())
     assert not starved.ok and "became free" in starved.error
     assert after.ok and after.content == "next"
+
+
+def test_pools_and_calls_get_the_runtime_settings_not_the_runtime() -> None:
+    """The runtime hands its settings down: no pool, worker or call holds the runtime itself."""
+
+    async def main() -> None:
+        async with ToolRuntime([EventsTool()], acquire_timeout_s=7.0) as rt:
+            call = await rt.begin("events", "c1")
+            await call.field("a", 1)
+            held = [call, call.pool, call._worker]
+            assert call.settings is rt.settings and call.settings.acquire_timeout_s == 7.0
+            assert call.pool.settings is rt.settings
+            assert not [obj for obj in held if any(value is rt for value in vars(obj).values())]
+            assert (await call.finish()).ok
+
+    run(main())
+
+
+def test_the_tools_wing_imports_one_way() -> None:
+    """Its modules import only those below them (no circle): the order its package docstring gives."""
+    import ast
+    from pathlib import Path
+
+    import interlace.gateway.tools as wing
+
+    order = ["base", "worker", "settings", "process", "pool", "call", "runtime"]  # bottom to top
+    folder = Path(wing.__file__).parent
+    assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(order)
+    for name in order:
+        siblings = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                siblings.update([node.module] if node.module else [a.name for a in node.names])
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("interlace.gateway.tools."):
+                siblings.add(node.module.split(".")[3])
+        above = siblings - set(order[: order.index(name)])
+        assert not above, f"gateway/tools/{name}.py imports {sorted(above)}, which sit above it"

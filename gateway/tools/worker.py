@@ -1,6 +1,6 @@
 """The worker side of the tool runtime: one tool's handlers in a contained process.
 
-The gateway (:mod:`interlace.gateway.tools.runtime`) starts this module with
+The gateway (:mod:`interlace.gateway.tools.pool`) starts this module with
 ``python -c "from interlace.gateway.tools.worker import main; main()" FD PID``
 in a new session (its own process group), with a clean environment and a
 scratch directory as its working directory.  ``FD`` is its end of a socket
@@ -27,7 +27,12 @@ raises :class:`CPUTimeExceeded` inside the tool's handler; a worker that
 serves one call only (``per_call``) also gets a hard ``RLIMIT_CPU`` one
 second above it, which the kernel enforces with SIGKILL even inside C code.
 
-Protocol: see :mod:`interlace.gateway.tools.runtime`.
+Protocol: see :mod:`interlace.gateway.tools.pool`.
+
+:class:`CPUTimeExceeded` and :func:`set_hard_limit` are exported by
+``interlace`` (the public API): a tool's handlers may tell the CPU budget's
+exception apart (the ``python`` tool reports it as its own error), and its
+``worker_init`` may set further limits as this module sets ``RLIMIT_AS``.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["main", "CPUTimeExceeded", "current_rlimits"]
+__all__ = ["main", "CPUTimeExceeded", "set_hard_limit", "current_rlimits"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
