@@ -20,6 +20,14 @@ gateway config).  When a plugin calls ``register(tool)``, the host validates
 the settings (``Tool.settings_schema`` plus :data:`COMMON_SETTINGS`; unknown
 keys are rejected), calls ``tool.configure(settings)``, applies the common
 settings and runs ``tool.check()``.
+
+Built-in plugins are named once, in :data:`BUILTIN_PLUGINS`.  The host
+registers them by import, as llm and datasette register their
+``DEFAULT_PLUGINS``.  They are not ``interlace`` entry points in
+pyproject.toml as well, for three reasons: a tuple in the code is right even
+in a source checkout whose installed metadata is stale; a test can replace it
+(``builtins=``); and the entry-point group then holds third-party plugins
+only, so no built-in appears a second time under another name.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import pluggy
 from ..parsers.formats import FormatError, check_format
 from .. import hookspecs
 from ..hookspecs import PROJECT, Veto
+from ..version import __version__
 from .tools.base import COMMON_SETTINGS, Tool, ToolVetoed
 
 __all__ = [
@@ -55,7 +64,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Modules registered as plugins on every host (unless already loaded as an entry point).
+#: The built-in plugins, named here only (see the module docstring), registered by import on every host.
 BUILTIN_PLUGINS: tuple[str, ...] = ("interlace.plugins.builtin", "interlace.parsers.builtin")
 
 #: The plugin whose hook implementation is running (set by :class:`_PluginView`).
@@ -76,13 +85,6 @@ class PluginHookError(RuntimeError):
     def __init__(self, plugin: str, hook: str, problem: str) -> None:
         self.plugin, self.hook, self.problem = plugin, hook, problem
         super().__init__(f"plugin {plugin!r}: {hook} {problem}")
-
-
-def _interlace_version() -> str:
-    try:
-        return importlib.metadata.version(PROJECT)
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 # --------------------------------------------------------------------------- settings
@@ -462,13 +464,13 @@ class PluginHost:
         out = []
         for name, plugin in self._plugins.items():
             dist = self._dists.get(name)
-            builtin = name in self._builtin or (dist is not None and dist.metadata["Name"] == PROJECT)
+            builtin = name in self._builtin
             view = self.pm.get_plugin(name)
             out.append({
                 "name": name,
                 "module": getattr(plugin, "__name__", type(plugin).__qualname__),
                 "package": dist.metadata["Name"] if dist else (PROJECT if builtin else None),
-                "version": dist.version if dist else (_interlace_version() if builtin else None),
+                "version": dist.version if dist else (__version__ if builtin else None),
                 "builtin": builtin,
                 "hooks": sorted(caller.name for caller in self.pm.get_hookcallers(view) or ()),
                 "tools": [_describe_tool(tool) for tool_name, tool in tools.items()

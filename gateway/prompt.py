@@ -21,29 +21,11 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..parsers.formats import ToolFormat, check_format
+from ..parsers.formats import ToolFormat
 
 Mark = Callable[[str], str]
 
-__all__ = ["ToolFormat", "tool_format", "render_messages", "render_text", "tool_results_turn",
-           "template_supports_tools"]
-
-
-def tool_format(parser: Any) -> ToolFormat:
-    """The format of a parser: a parser class/factory (its ``format``) or a built-in parser's name.
-
-    There is no fallback: a parser without a format is a configuration error
-    (:class:`~interlace.parsers.formats.FormatError`); an unknown name raises
-    :class:`~interlace.parsers.UnknownParserError`.
-    """
-    if isinstance(parser, str):
-        from ..parsers.builtin import BUILTIN_PARSERS
-        from ..parsers.base import UnknownParserError
-
-        if parser not in BUILTIN_PARSERS:
-            raise UnknownParserError(parser, BUILTIN_PARSERS)
-        parser = BUILTIN_PARSERS[parser]
-    return check_format(getattr(parser, "format", None), repr(getattr(parser, "__qualname__", parser)))
+__all__ = ["render_messages", "render_text", "tool_results_turn", "template_supports_tools"]
 
 
 def _content_text(content: Any) -> str:

@@ -1,17 +1,21 @@
 """Built-in parsers, registered through the same pluggy hook as third-party ones.
 
-The gateway registers this module with its plugin manager and calls
-``pm.hook.register_parsers(register=registry.register)``;
-:func:`load_registry` does exactly that for callers without a plugin manager.
+This module is one of the gateway's built-in plugins (``BUILTIN_PLUGINS`` in
+``gateway/plugin_host.py``, the one list of them): the plugin host registers
+it and calls ``register_parsers(register=...)``.  Callers that want the
+parsers as the gateway has them ask a ``PluginHost`` (``host.parsers()``);
+there is no second plugin manager here.
+
+The hook marker comes from the package root's ``hookspecs`` (what
+``interlace.hookimpl`` re-exports), not from the public ``interlace``
+package itself: that package imports the gateway's plugin host, and the
+parsers import nothing from the gateway, not even through it.
 """
 
 from __future__ import annotations
 
-import pluggy
-
-from .. import hookspecs
 from ..hookspecs import hookimpl
-from .base import ParserFactory, ParserRegistry, StreamingParser
+from .base import ParserFactory
 from .code import MarkdownCodeParser
 from .json_formats import HermesParser, Llama3JsonParser, MistralParser
 from .plan import PlanParser
@@ -32,30 +36,3 @@ def register_parsers(register) -> None:  # type: ignore[no-untyped-def]
     """Register every built-in parser under its config name."""
     for name, factory in BUILTIN_PARSERS.items():
         register(name, factory)
-
-
-def load_registry(pm: pluggy.PluginManager | None = None) -> ParserRegistry:
-    """A registry filled by every ``register_parsers`` implementation in ``pm``.
-
-    Without ``pm``, a private plugin manager holding only the built-ins is used.
-    """
-    if pm is None:
-        import sys
-
-        pm = pluggy.PluginManager(hookspecs.PROJECT)
-        pm.add_hookspecs(hookspecs)
-        pm.register(sys.modules[__name__], name="interlace.parsers.builtin")
-    registry = ParserRegistry()
-    pm.hook.register_parsers(register=registry.register)
-    return registry
-
-
-_default: ParserRegistry | None = None
-
-
-def get_parser(name: str) -> StreamingParser:
-    """A fresh built-in parser by name; raises ``UnknownParserError``."""
-    global _default
-    if _default is None:
-        _default = load_registry()
-    return _default.create(name)

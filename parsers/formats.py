@@ -22,32 +22,78 @@ authority: a pause where :attr:`StreamingParser.in_call` is still true is
 spurious and decoding should simply go on.  Where a format's calls end only at
 EOS (Mistral v11 ``[TOOL_CALLS]f[ARGS]{...}``, Llama's ``<|eom_id|>``), the
 stream finishes there and the gateway runs the calls it parsed.
+
+Forcing calls.  ``grammar`` is handed a :class:`GrammarBuilder`: the building
+blocks of the constrained-decoding side (``engine_ext/constraints/grammar.py``
+implements them with llguidance).  This module only declares what it calls, so
+the parsers import nothing from the engine or the gateway.  A format that
+cannot force the requested calls raises :class:`CannotForce`; the builder
+raises its own error for an invalid tool list.  Both messages are meant for
+the API client.
+
+Calls that use earlier results.  In one format, a call can use the results of
+earlier calls of the same turn: the plan format (``$2 = f($1)``).  The agent
+loop asks every format the same questions and never asks which format it has:
+:meth:`ToolFormat.ends_calls`, :meth:`~ToolFormat.step`,
+:meth:`~ToolFormat.depends_on`, :meth:`~ToolFormat.reference`,
+:meth:`~ToolFormat.tool_arguments` and :meth:`~ToolFormat.named_result`.  The base class answers for formats without
+such references, so only :class:`PlanFormat` overrides them.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the grammar side needs torch/llguidance; the parsers must not
-    from ..engine_ext.constraints.grammar import Grammar, GrammarCompiler
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 
 class FormatError(TypeError):
     """A parser was registered without a usable ``format`` (contract 4)."""
 
 
+class CannotForce(ValueError):
+    """The format cannot force the calls asked for (``tool_choice`` "required" or a named function).
+
+    Raised by :meth:`ToolFormat.grammar`.  The message is meant for the API client:
+    the HTTP layer answers 400 with it, as for the grammar builder's own errors.
+    """
+
+
+class GrammarBuilder(Protocol):
+    """The grammar building blocks that :meth:`ToolFormat.grammar` is handed.
+
+    ``GrammarCompiler`` in ``engine_ext/constraints/grammar.py`` implements them.  The
+    grammars it returns are opaque here: a format passes them back to the caller as they are.
+    Expressions and rules are in llguidance's Lark dialect.  Every method may raise the
+    builder's own error for an invalid tool list (a client error, like :class:`CannotForce`).
+    """
+
+    def functions(self, tools: Sequence[Mapping[str, Any]], force: str | None = None) -> dict[str, dict[str, Any]]:
+        """``{name: parameters schema}`` of the function tools (only ``force`` when given), validated."""
+
+    def json_rule(self, schema: Mapping[str, Any]) -> str:
+        """The Lark right-hand side matching JSON valid against ``schema``."""
+
+    def literal(self, text: str) -> str:
+        """A Lark string literal for ``text``."""
+
+    def marker(self, text: str) -> str:
+        """A Lark expression for a format marker: the special token when the vocabulary has one, else the text."""
+
+    def envelope(self, tools: Sequence[Mapping[str, Any]], *, force: str | None, parallel: bool,
+                 call: Callable[[str, str], str], open: str = '""', sep: str = '""', close: str = '""') -> Any:
+        """The grammar of calls laid out as ``open call (sep call)* close`` (without ``parallel``:
+        ``open call close``)."""
+
+    def tool_grammar(self, lark: str, functions: Mapping[str, Mapping[str, Any]]) -> Any:
+        """Compile a whole tool-call Lark grammar over ``functions`` (from :meth:`functions`)."""
+
+
 def _functions_json(functions: Iterable[Mapping[str, Any]]) -> str:
     """One ``{"type": "function", "function": ...}`` line per tool, as Hermes/Qwen prompts list them."""
     return "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions)
-
-
-def _grammar_error(msg: str) -> Exception:
-    from ..engine_ext.constraints.grammar import GrammarError
-
-    return GrammarError(msg)
 
 
 class ToolFormat:
@@ -57,6 +103,17 @@ class ToolFormat:
     the methods.  ``render_calls`` / ``render_results`` group several calls or
     results of one turn (a list format writes one list, not one list per
     call); the defaults join the single renderings with ``call_separator``.
+
+    The agent loop asks the format about calls that use earlier results (see
+    the module docstring).  The defaults describe a format with no such calls,
+    and a subclass overrides them only if its calls can refer to each other:
+
+    * :meth:`ends_calls` is False: every decoded call names a tool;
+    * :meth:`step` is None: a call's result cannot be referred to;
+    * :meth:`depends_on` is empty: a call waits for nothing;
+    * :meth:`reference` writes a step as its number (only messages use it);
+    * :meth:`tool_arguments` returns the decoded arguments as they are;
+    * :meth:`named_result` returns the result text as it is.
     """
 
     name: str = ""
@@ -85,16 +142,52 @@ class ToolFormat:
     def render_results(self, contents: Sequence[str]) -> str:
         return "\n".join(self.render_result(c) for c in contents)
 
-    def grammar(self, compiler: GrammarCompiler, tools: list[dict[str, Any]], force: str | None,
-                parallel: bool) -> Grammar:
-        """A grammar forcing calls of ``tools`` (only ``force`` when given), then EOS.
+    def grammar(self, compiler: GrammarBuilder, tools: list[dict[str, Any]], force: str | None,
+                parallel: bool) -> Any:
+        """A grammar forcing calls of ``tools`` (only ``force`` when given), then EOS, built with ``compiler``.
 
-        Raises ``GrammarError`` when the format cannot be forced.
+        Raises :class:`CannotForce` when the format cannot force these calls.
         """
-        raise _grammar_error(f"tool_choice cannot be enforced for the {self.name!r} tool-call format")
+        raise CannotForce(f"tool_choice cannot be enforced for the {self.name!r} tool-call format")
+
+    # -- calls that use earlier results (the defaults: a format without such calls)
+    def ends_calls(self, name: str) -> bool:
+        """True if a decoded call named ``name`` is not a tool call but the end of the calls (a plan's
+        ``join()``). The loop runs nothing for it."""
+        return False
+
+    def step(self, arguments: Any) -> int | None:
+        """The number that later calls use to refer to this call's result (the ``N`` of a plan's ``$N``),
+        or None if they cannot refer to it."""
+        return None
+
+    def depends_on(self, arguments: Any) -> Sequence[int]:
+        """The steps (see :meth:`step`) whose results this call's arguments refer to. The loop runs the
+        call after those results are there."""
+        return ()
+
+    def reference(self, step: int) -> str:
+        """How this format's text refers to the result of ``step`` (for messages about that result)."""
+        return str(step)
+
+    def tool_arguments(self, arguments: Any, parameters: Mapping[str, Any] | None,
+                       results: Mapping[int, str]) -> Any:
+        """A decoded call's arguments in the form the tool takes them. ``parameters`` is the tool's JSON
+        schema. ``results`` maps each step this call depends on to that step's result as text. A reference
+        that has no result stays as written."""
+        return arguments
+
+    def named_result(self, arguments: Any, text: str) -> str:
+        """The result of the call with ``arguments`` as the model reads it back (before
+        :meth:`render_results` wraps the turn)."""
+        return text
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+#: what the agent loop asks every format about calls that use earlier results (ToolFormat has the defaults)
+_REFERENCE_METHODS = ("ends_calls", "step", "depends_on", "reference", "tool_arguments", "named_result")
 
 
 def check_format(fmt: Any, owner: str) -> ToolFormat:
@@ -111,7 +204,7 @@ def check_format(fmt: Any, owner: str) -> ToolFormat:
         v = getattr(fmt, attr, None)
         if not isinstance(v, tuple) or not all(isinstance(s, str) and s for s in v):
             problems.append(f"`{attr}` must be a tuple of non-empty strings")
-    for meth in ("instructions", "render_call", "render_result", "grammar"):
+    for meth in ("instructions", "render_call", "render_result", "grammar", *_REFERENCE_METHODS):
         if not callable(getattr(fmt, meth, None)):
             problems.append(f"`{meth}` must be a method")
     if problems:
@@ -282,15 +375,15 @@ class PythonicFormat(ToolFormat):
         alts: list[str] = []
         for i, (name, params) in enumerate(functions.items()):
             if not all(ch.isalnum() or ch in "_." for ch in name) or name[0].isdigit():
-                raise _grammar_error(f"tools: function name {name!r} is not a Python identifier, "
-                                     "which the pythonic format cannot write")
+                raise CannotForce(f"tools: function name {name!r} is not a Python identifier, "
+                                  "which the pythonic format cannot write")
             props = params.get("properties") or {}
             required = set(params.get("required") or ())
             defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
             items: list[tuple[str, bool]] = []
             for j, (key, sub) in enumerate(props.items()):
                 if not key.isidentifier():
-                    raise _grammar_error(f"tools: parameter {key!r} of {name!r} is not a Python identifier")
+                    raise CannotForce(f"tools: parameter {key!r} of {name!r} is not a Python identifier")
                 sub = dict(sub) if isinstance(sub, Mapping) else {}
                 sub.update(defs)
                 rules.append(f"v_{i}_{j}: {compiler.json_rule(sub)}")
@@ -348,8 +441,8 @@ class MarkdownFormat(ToolFormat):
     def grammar(self, compiler, tools, force, parallel):  # type: ignore[no-untyped-def]
         functions = compiler.functions(tools, force)
         if force is not None and force != self.tool_name or self.tool_name not in functions:
-            raise _grammar_error(f"tool_choice can only force the {self.tool_name!r} code tool with the "
-                                 "markdown format (its calls are code blocks, not named calls)")
+            raise CannotForce(f"tool_choice can only force the {self.tool_name!r} code tool with the "
+                              "markdown format (its calls are code blocks, not named calls)")
         # code lines holding no ``` at all (so none can close the block), then the closing fence
         lark = ('start: "```python\\n" LINE* "```" "\\n"?\n'
                 'LINE: /([^`\\n]|`[^`\\n]|``[^`\\n])*(`|``)?\\n/\n')
@@ -359,6 +452,16 @@ class MarkdownFormat(ToolFormat):
 class PlanFormat(ToolFormat):
     """LLMCompiler-style plans: one call per line, ``$N`` names results, ``join()`` ends the plan.
 
+    This class is the one place that knows the plan's syntax: the ``$N``
+    reference (:data:`REFERENCE`, which the parser reads with), the ``join``
+    that ends a plan, and how a step reads.  A step's arguments, as
+    :class:`~interlace.parsers.plan.PlanParser` emits them, are
+    ``{"step": N, "args": [...], "kwargs": {...}, "depends_on": [...]}``.  To
+    give a tool its arguments (:meth:`tool_arguments`), the positional ones
+    are named after the order of the tool's ``parameters`` schema, and every
+    ``$N`` is replaced by step N's result.  A result reads back as
+    ``$N = <result>``.
+
     Forcing is not supported: a plan's arguments are positional and may refer
     to earlier results (``$1``), which the tools' JSON schemas cannot describe,
     so no grammar derived from ``tools`` would be faithful.
@@ -366,6 +469,8 @@ class PlanFormat(ToolFormat):
 
     name = "plan"
     call_end = ("join()",)
+    #: a reference to an earlier step's result, ``$N`` or ``${N}``, anywhere in the arguments (strings too)
+    REFERENCE = re.compile(r"\$\{?(\d+)\}?")
 
     def instructions(self, functions: list[dict[str, Any]]) -> str:
         return ("Answer by writing a plan, one tool call per line, each naming its result:\n"
@@ -387,9 +492,47 @@ class PlanFormat(ToolFormat):
         return content
 
     def grammar(self, compiler, tools, force, parallel):  # type: ignore[no-untyped-def]
-        raise _grammar_error("tool_choice cannot be enforced for the 'plan' tool-call format: plan steps take "
-                             "positional arguments that may refer to earlier results ($1), which the tools' "
-                             "JSON schemas do not describe; use tool_choice \"auto\"")
+        raise CannotForce("tool_choice cannot be enforced for the 'plan' tool-call format: plan steps take "
+                          "positional arguments that may refer to earlier results ($1), which the tools' "
+                          "JSON schemas do not describe; use tool_choice \"auto\"")
+
+    def ends_calls(self, name: str) -> bool:
+        return name == "join"
+
+    def step(self, arguments: Any) -> int | None:
+        return arguments.get("step") if isinstance(arguments, Mapping) and "step" in arguments else None
+
+    def depends_on(self, arguments: Any) -> Sequence[int]:
+        return list(arguments.get("depends_on") or ()) if isinstance(arguments, Mapping) else ()
+
+    def reference(self, step: int) -> str:
+        return f"${step}"
+
+    def tool_arguments(self, arguments: Any, parameters: Mapping[str, Any] | None,
+                       results: Mapping[int, str]) -> Any:
+        if not isinstance(arguments, Mapping) or "args" not in arguments:
+            return arguments
+        ref = self.REFERENCE
+
+        def sub(v: Any) -> Any:
+            if isinstance(v, str):
+                whole = ref.fullmatch(v)
+                if whole and int(whole.group(1)) in results:
+                    return results[int(whole.group(1))]
+                return ref.sub(lambda m: results.get(int(m.group(1)), m.group(0)), v)
+            if isinstance(v, list):
+                return [sub(x) for x in v]
+            if isinstance(v, dict):
+                return {k: sub(x) for k, x in v.items()}
+            return v
+
+        names = list((parameters or {}).get("properties", {}))
+        out = {names[i]: sub(v) for i, v in enumerate(arguments.get("args", [])) if i < len(names)}
+        out.update({k: sub(v) for k, v in (arguments.get("kwargs") or {}).items()})
+        return out
+
+    def named_result(self, arguments: Any, text: str) -> str:
+        return f"{self.reference(arguments.get('step'))} = {text}" if isinstance(arguments, Mapping) else text
 
 
 HERMES = HermesFormat()
@@ -399,6 +542,6 @@ PYTHONIC = PythonicFormat()
 MARKDOWN = MarkdownFormat()
 PLAN = PlanFormat()
 
-__all__ = ["FormatError", "ToolFormat", "HermesFormat", "MistralFormat", "Llama3JsonFormat", "PythonicFormat",
-           "MarkdownFormat", "PlanFormat", "HERMES", "MISTRAL", "LLAMA3_JSON", "PYTHONIC", "MARKDOWN", "PLAN",
-           "check_format", "python_literal"]
+__all__ = ["FormatError", "CannotForce", "GrammarBuilder", "ToolFormat", "HermesFormat", "MistralFormat",
+           "Llama3JsonFormat", "PythonicFormat", "MarkdownFormat", "PlanFormat", "HERMES", "MISTRAL", "LLAMA3_JSON",
+           "PYTHONIC", "MARKDOWN", "PLAN", "check_format", "python_literal"]

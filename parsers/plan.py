@@ -20,7 +20,8 @@ planning the rest.  ``ToolCallEnd.arguments`` is::
 (``calculator($1)``) becomes the string ``"$1"``.  ``depends_on`` lists, sorted
 and unique, every step number referenced as ``$N`` or ``${N}`` anywhere in the
 arguments (inside strings too): the executor must wait for those steps and
-substitute their results.  Other lines are ``Text``; a line that starts like a
+substitute their results (:class:`~interlace.parsers.formats.PlanFormat`
+says how: the format owns the ``$N`` syntax).  Other lines are ``Text``; a line that starts like a
 step (``$N =``) but does not parse is a ``ParserError``.
 """
 
@@ -37,7 +38,7 @@ from .formats import PLAN
 
 _STEP = re.compile(r"\s*(?:\$(\d+)\s*=|(\d+)\.)\s*(.*?)\s*;?\s*\Z", re.S)
 _CALL = re.compile(r"([A-Za-z_][\w.]*)\s*\((.*)\)\Z", re.S)
-_REF = re.compile(r"\$\{?(\d+)\}?")
+_REF = PLAN.REFERENCE  # the $N syntax: the format's, which also resolves the references (PlanFormat)
 
 
 def _quote_refs(args: str) -> str:

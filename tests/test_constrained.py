@@ -1,7 +1,8 @@
 """Constrained decoding (engine_ext/constraints/grammar.py) on the embedded SmolLM2:
 greedy decoding under a grammar yields JSON valid against a schema, a JSON
 object, and hermes tool calls for tool_choice "required" / a named function;
-invalid constraints raise GrammarError; processors keep per-request state."""
+invalid constraints raise GrammarError (CannotForce where a format cannot force calls);
+processors keep per-request state."""
 
 import asyncio
 import json
@@ -11,10 +12,12 @@ import jsonschema
 import pytest
 import torch
 
-from conftest import run
+from helpers import run
 from interlace.engine_ext.protocol import SamplingParams
 from interlace.engine_ext.constraints.grammar import ConstraintViolation, GrammarCompiler, GrammarError
-from interlace.parsers import ToolCallEnd, builtin
+from interlace.parsers import ToolCallEnd
+from interlace.parsers.builtin import BUILTIN_PARSERS
+from interlace.parsers.formats import HERMES, CannotForce
 
 PERSON = {
     "type": "object",
@@ -122,7 +125,7 @@ def test_json_object_is_bounded(compiler):
 
 
 def test_tool_choice_required(smol_engine, compiler):
-    g = compiler.tool_calls(TOOLS, force=None, parallel=False)
+    g = compiler.tool_calls(HERMES, TOOLS, force=None, parallel=False)
     text, finish = run(_generate(smol_engine, "cd-required", "What is the weather in Paris?",
                                  compiler.processor(g)))
     assert finish == "stop"
@@ -130,7 +133,7 @@ def test_tool_choice_required(smol_engine, compiler):
 
 
 def test_tool_choice_named(smol_engine, compiler):
-    g = compiler.tool_calls(TOOLS, force="add", parallel=False)
+    g = compiler.tool_calls(HERMES, TOOLS, force="add", parallel=False)
     text, finish = run(_generate(smol_engine, "cd-named", "What is the weather in Paris?",
                                  compiler.processor(g)))
     assert finish == "stop"
@@ -140,7 +143,7 @@ def test_tool_choice_named(smol_engine, compiler):
 def test_processors_are_per_request_in_one_batch(smol_engine, compiler):
     """Two concurrent requests (decoded in the same batches), different grammars."""
     schema_g = compiler.json_schema(PERSON)
-    tools_g = compiler.tool_calls(TOOLS, force="get_weather", parallel=False)
+    tools_g = compiler.tool_calls(HERMES, TOOLS, force="get_weather", parallel=False)
 
     async def both():
         return await asyncio.gather(
@@ -183,12 +186,12 @@ def test_wider_logits_mask_padding(compiler):
 
 def test_parallel_calls_then_eos(compiler):
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    g = compiler.tool_calls(TOOLS, force=None, parallel=True)
+    g = compiler.tool_calls(HERMES, TOOLS, force=None, parallel=True)
     proc, out = _feed(compiler, g, call + "\n" + call.replace("add", "get_weather").replace(
         '{"a": 1, "b": 2}', '{"city": "Oslo", "unit": "celsius"}'))
     eos = sorted(compiler.eos_token_ids)[0]
     assert torch.isfinite(out[eos])  # may stop, or go on with another call
-    single = compiler.tool_calls(TOOLS, force=None, parallel=False)
+    single = compiler.tool_calls(HERMES, TOOLS, force=None, parallel=False)
     proc, out = _feed(compiler, single, call)
     assert proc.done  # one call only: EOS next
 
@@ -201,21 +204,21 @@ def test_parallel_calls_then_eos(compiler):
     ("pythonic", '[add(a=1, b=2), get_weather(city="Oslo", unit="celsius")]'),
 ])
 def test_other_tool_call_formats(compiler, fmt, text):
-    proc, _ = _feed(compiler, compiler.tool_calls(TOOLS, force=None, parallel=True, fmt=fmt), text)
+    proc, _ = _feed(compiler, compiler.tool_calls(BUILTIN_PARSERS[fmt].format, TOOLS, force=None, parallel=True), text)
     assert proc.matcher.is_accepting()
 
 
 CALLS = [("add", {"a": 1, "b": -2}), ("get_weather", {"city": "Oslo \"N\"", "unit": "celsius"})]
 
 
-@pytest.mark.parametrize("fmt", sorted(builtin.BUILTIN_PARSERS))
+@pytest.mark.parametrize("fmt", sorted(BUILTIN_PARSERS))
 def test_format_grammar_accepts_its_own_rendering(compiler, fmt):
     """One definition per format: the grammar a format forces accepts exactly what the format renders
     (and the parser reads back), for a single call and for parallel calls; plan cannot be forced."""
-    form = builtin.BUILTIN_PARSERS[fmt].format
+    form = BUILTIN_PARSERS[fmt].format
     if fmt == "plan":
-        with pytest.raises(GrammarError, match="plan"):
-            compiler.tool_calls(TOOLS, force=None, parallel=True, fmt=form)
+        with pytest.raises(CannotForce, match="plan"):
+            compiler.tool_calls(form, TOOLS, force=None, parallel=True)
         return
     tools, cases = TOOLS, [CALLS[:1], CALLS]
     if fmt == "markdown":
@@ -224,19 +227,19 @@ def test_format_grammar_accepts_its_own_rendering(compiler, fmt):
         cases = [[("python", {"code": "x = 1\nprint(x)  # ``\n"})]]
     for calls in cases:
         text = form.render_calls(calls)
-        g = compiler.tool_calls(tools, force=None, parallel=len(calls) > 1, fmt=form)
+        g = compiler.tool_calls(form, tools, force=None, parallel=len(calls) > 1)
         proc, out = _feed(compiler, g, text)
         assert proc.matcher.is_accepting(), (fmt, text)
-        parsed = builtin.BUILTIN_PARSERS[fmt]().parse(text)
+        parsed = BUILTIN_PARSERS[fmt]().parse(text)
         assert [(e.name, e.arguments) for e in parsed if isinstance(e, ToolCallEnd)] == calls
     if fmt != "markdown":
-        one = compiler.tool_calls(TOOLS, force="add", parallel=False, fmt=form)
+        one = compiler.tool_calls(form, TOOLS, force="add", parallel=False)
         proc, out = _feed(compiler, one, form.render_calls(CALLS[:1]))
         assert proc.done  # one call only: EOS next
 
 
 def test_wrong_tool_name_is_masked(compiler):
-    g = compiler.tool_calls(TOOLS, force="add", parallel=False)
+    g = compiler.tool_calls(HERMES, TOOLS, force="add", parallel=False)
     tok = compiler.tokenizer
     prefix = tok.encode('<tool_call>\n{"name": "')
     proc = compiler.processor(g)
@@ -257,16 +260,16 @@ def test_invalid_schema_raises(compiler, schema):
         compiler.json_schema(schema)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"tools": TOOLS, "force": "nope"},
-    {"tools": [ADD, ADD]},
-    {"tools": []},
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]},
-    {"tools": TOOLS, "fmt": "markdown"},
+@pytest.mark.parametrize("kwargs,error", [
+    ({"tools": TOOLS, "force": "nope"}, GrammarError),
+    ({"tools": [ADD, ADD]}, GrammarError),
+    ({"tools": []}, GrammarError),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, GrammarError),
+    ({"tools": TOOLS, "fmt": BUILTIN_PARSERS["markdown"].format}, CannotForce),  # markdown forces only its code tool
 ])
-def test_invalid_tools_raise(compiler, kwargs):
-    kwargs = {"force": None, "parallel": True, **kwargs}
-    with pytest.raises(GrammarError):
+def test_invalid_tools_raise(compiler, kwargs, error):
+    kwargs = {"fmt": HERMES, "force": None, "parallel": True, **kwargs}
+    with pytest.raises(error):
         compiler.tool_calls(**kwargs)
 
 

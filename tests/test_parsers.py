@@ -6,12 +6,11 @@ import json
 import keyword
 from collections.abc import Callable, Sequence
 
-import pluggy
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from interlace import hookspecs
+from interlace import PluginHost, hookimpl
 from interlace.parsers import (
     ArgumentsDelta,
     DuplicateParserError,
@@ -33,7 +32,6 @@ from interlace.parsers import (
     UnknownParserError,
     counting_ids,
 )
-from interlace.parsers import builtin
 from interlace.parsers.events import Event
 from interlace.parsers.formats import FormatError, ToolFormat, check_format
 
@@ -45,6 +43,15 @@ PARSERS: dict[str, type[StreamingParser]] = {
     "markdown": MarkdownCodeParser,
     "plan": PlanParser,
 }
+
+
+def registry(*plugins: object) -> ParserRegistry:
+    """The parsers as the gateway has them: the plugin host's ``register_parsers`` hooks (the
+    built-ins and ``plugins``) filling a registry."""
+    reg = ParserRegistry()
+    for name, factory in PluginHost(entrypoints=False, plugins=plugins).parsers().items():
+        reg.register(name, factory)
+    return reg
 
 
 def make(fmt: str) -> StreamingParser:
@@ -555,7 +562,7 @@ def test_feed_after_finish_raises() -> None:
 
 
 def test_registry() -> None:
-    reg = builtin.load_registry()
+    reg = registry()
     assert reg.names() == sorted(PARSERS)
     assert reg.create("plan") is not reg.create("plan")
     with pytest.raises(UnknownParserError) as exc:
@@ -598,15 +605,11 @@ class _Custom(PlanParser):
 
 def test_registry_through_plugin_manager() -> None:
     class ThirdParty:
-        @hookspecs.hookimpl
+        @hookimpl
         def register_parsers(self, register: Callable) -> None:
             register("mine", _Custom)
 
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(builtin)
-    pm.register(ThirdParty())
-    reg = builtin.load_registry(pm)
+    reg = registry(ThirdParty())
     assert reg.names() == sorted([*PARSERS, "mine"])
     assert reg.get("mine").format.instructions([{"name": "f"}, {"name": "g"}]) == "tools: f, g"
     p = reg.create("mine")
@@ -664,7 +667,7 @@ def test_format_renders_what_its_parser_reads(fmt: str, data: st.DataObject) -> 
     """Every registered format: render_call / render_calls parsed by the same parser give the same calls,
     and the call-end markers agree with the parser: once the text up to the last marker has been fed, every
     call has ended; at any marker where the parser says it is not inside a call, every started call has ended."""
-    reg = builtin.load_registry()
+    reg = registry()
     form = reg.get(fmt).format
     cs = _numbered(fmt, data.draw(st.lists(_call_strategy(fmt), min_size=1, max_size=3)))
     name, args = cs[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib
 import importlib.metadata
@@ -11,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,11 @@ import pytest
 
 from interlace import (DuplicateRegistration, PluginHost, PluginLoadError, StreamingParser, Tool, ToolVetoed, Veto,
                        hookimpl)
+from interlace.gateway.plugin_host import BUILTIN_PLUGINS
 from interlace.parsers import HermesParser, MarkdownCodeParser
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "interlace-example-plugin"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "interlace-example-plugin"
 
 
 def _installed_example_is_current() -> bool:
@@ -64,6 +68,47 @@ class EchoPlugin:
     @hookimpl
     def register_tools(self, register):
         register(Echo())
+
+
+# --------------------------------------------------------------------------- built-ins, named once
+
+
+def _is_hookimpl(decorator: ast.expr) -> bool:
+    """``@hookimpl``, ``@hookimpl(...)`` or ``@<module>.hookimpl``."""
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return (target.id if isinstance(target, ast.Name) else getattr(target, "attr", None)) == "hookimpl"
+
+
+def _modules_with_hooks() -> set[str]:
+    """The package's modules that implement a hook at module level (built-in plugin modules), by name.
+
+    Not bench/: its tool plugin is loaded by the benchmark's own config (``plugin_modules``)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    found = set()
+    for package, folder in project["tool"]["setuptools"]["package-dir"].items():
+        if package == "interlace.bench":
+            continue
+        for path in (ROOT / folder).rglob("*.py"):
+            body = ast.parse(path.read_text()).body
+            if any(isinstance(node, ast.FunctionDef) and any(map(_is_hookimpl, node.decorator_list))
+                   for node in body):
+                parts = path.relative_to(ROOT / folder).with_suffix("").parts
+                found.add(".".join((package, *parts)).removesuffix(".__init__"))
+    return found
+
+
+def test_builtin_plugins_are_named_once_and_each_registered_once() -> None:
+    """BUILTIN_PLUGINS is the one list of built-in plugins: every module of the package with a hook
+    implementation is on it (else the gateway never registers it), pyproject declares none of them as an
+    entry point too, and a host loading entry points as the gateway does registers each exactly once,
+    under its module name, as a built-in."""
+    assert _modules_with_hooks() == set(BUILTIN_PLUGINS)
+    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("entry-points", {})
+    assert not set(entry_points.get("interlace", {}).values()) & set(BUILTIN_PLUGINS)
+    listing = PluginHost().list_plugins()
+    for module in BUILTIN_PLUGINS:
+        (entry,) = [p for p in listing if p["module"] == module]
+        assert entry["name"] == module and entry["builtin"] and entry["package"] == "interlace", entry
 
 
 # --------------------------------------------------------------------------- loading

@@ -13,7 +13,7 @@ Usage (the HTTP layer)::
 
     gc = GrammarCompiler(engine.tokenizer, vocab_size=engine.vocab_size)  # once per model
     try:
-        grammar = gc.json_schema(schema)          # or gc.json_object(), gc.tool_calls(...)
+        grammar = gc.json_schema(schema)          # or gc.json_object(), gc.tool_calls(fmt, tools)
     except GrammarError as e:
         ...  # answer 400 with str(e)
     sampling = SamplingParams(..., logits_processors=[gc.processor(grammar)])  # fresh per request
@@ -22,7 +22,20 @@ Tool-call grammars are defined by the formats themselves (a parser's
 ``format.grammar(compiler, tools, force, parallel)``, see
 :mod:`interlace.parsers.formats`); this module only provides the building
 blocks they use (:meth:`GrammarCompiler.envelope`, :meth:`~GrammarCompiler.json_rule`,
-:meth:`~GrammarCompiler.marker`).
+:meth:`~GrammarCompiler.marker`: the parsers' ``GrammarBuilder`` protocol).
+It knows no format and imports nothing from the parsers or the gateway: a
+caller hands it the format object.
+
+Processors in engine worker processes.  A :class:`GrammarProcessor` is
+shipped to a worker process as a recipe and rebuilt there for the tokenizer
+of the engine that process serves.  The worker says which tokenizer that is
+(:func:`serve_in_worker`, called by ``engine_ext/worker.py`` once its engine
+is built), so this module does not import the worker.
+
+torch is imported inside :meth:`GrammarProcessor.__call__`, where the logits
+come in as torch tensors, so torch is loaded already and the import is only a
+lookup.  Importing this module, to compile and validate grammars, needs only
+numpy and llguidance.
 
 JSON is generated compactly with ``json.dumps``-style separators (``", "`` and
 ``": "``) and no other whitespace: small models given free whitespace tend to
@@ -41,23 +54,27 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import llguidance as llg
 except ImportError:  # pragma: no cover - llguidance is a dependency of constrained decoding only
     llg = None  # type: ignore[assignment]
 
-__all__ = ["GrammarError", "ConstraintViolation", "Grammar", "GrammarCompiler", "GrammarProcessor"]
+__all__ = ["GrammarError", "ConstraintViolation", "Grammar", "GrammarCompiler", "GrammarProcessor",
+           "serve_in_worker"]
 
 
 class GrammarError(ValueError):
     """The requested constraint cannot be compiled: an invalid or unsupported
-    JSON schema, unknown tool, unsupported tool-call format.  The message is
-    meant for the API client (the HTTP layer answers 400 with it)."""
+    JSON schema, an invalid tool list or an unknown tool.  The message is
+    meant for the API client (the HTTP layer answers 400 with it).  A format
+    that cannot force calls raises the parsers' own ``CannotForce``."""
 
 
 class ConstraintViolation(RuntimeError):
@@ -98,22 +115,6 @@ class Grammar:
 def _lit(text: str) -> str:
     """A Lark string literal for ``text`` (Lark strings take JSON escapes)."""
     return json.dumps(text, ensure_ascii=False)
-
-
-def _tool_format(fmt: Any) -> Any:
-    """A format object for ``fmt``: a format (contract 4) as is, or a built-in parser's name.
-
-    The formats live on the parsers (``interlace.parsers.formats``); this is
-    only a lookup, so there is one definition of each format.
-    """
-    if not isinstance(fmt, str):
-        return fmt
-    from ...parsers.builtin import BUILTIN_PARSERS
-
-    factory = BUILTIN_PARSERS.get(fmt)
-    if factory is None:
-        raise GrammarError(f"unknown tool-call format {fmt!r} (built-in: {', '.join(BUILTIN_PARSERS)})")
-    return factory.format  # type: ignore[attr-defined]
 
 
 # ==================================================================== compiler
@@ -175,9 +176,9 @@ class GrammarCompiler:
         """
         return self.compile(llg.LLMatcher.grammar_from_lark(json_object_lark()), "json_object")
 
-    def tool_calls(self, tools: Sequence[Mapping[str, Any]], *, force: Optional[str] = None,
-                   parallel: bool = True, fmt: Any = "hermes") -> Grammar:
-        """Output must be tool calls and nothing else, then EOS.
+    def tool_calls(self, fmt: Any, tools: Sequence[Mapping[str, Any]], *, force: Optional[str] = None,
+                   parallel: bool = True) -> Grammar:
+        """Output must be tool calls in the format ``fmt`` and nothing else, then EOS.
 
         For ``tool_choice="required"`` (``force=None``) each call may name any
         of ``tools``; for ``tool_choice={"type": "function", "function":
@@ -185,12 +186,12 @@ class GrammarCompiler:
         (``parallel_tool_calls``) one or more calls, else exactly one.  Each
         call's arguments match its function's ``parameters`` schema.
         ``tools`` are OpenAI tool objects (bare function objects are accepted
-        too).  ``fmt`` is the tool-call format (a parser's ``format``, or a
-        built-in parser's name): the format builds its grammar with the
-        helpers below (:meth:`envelope`, :meth:`functions`, :meth:`json_rule`).
+        too).  ``fmt`` is the tool-call format, a parser's ``format``
+        (:class:`interlace.parsers.formats.ToolFormat`): it builds its grammar
+        with the helpers below (:meth:`envelope`, :meth:`functions`,
+        :meth:`json_rule`), and raises its own error when it cannot force calls.
         """
-        return _tool_format(fmt).grammar(self, list(tools) if isinstance(tools, (list, tuple)) else tools,
-                                         force, parallel)
+        return fmt.grammar(self, list(tools) if isinstance(tools, (list, tuple)) else tools, force, parallel)
 
     # ------------------------------------------------- helpers for formats' grammars
     def functions(self, tools: Sequence[Mapping[str, Any]], force: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
@@ -511,9 +512,9 @@ class GrammarProcessor:
     ``spec``, ``kind``, EOS ids, vocabulary size and whether it has a
     :class:`KeyGuard`) that rebuilds a fresh processor in an engine worker
     process (:class:`~interlace.engine_ext.worker.ProcessEngine`) through a
-    per-process :class:`GrammarCompiler` for that engine's tokenizer.  Only a
-    processor that has not started can be shipped (the parse state stays
-    behind).
+    per-process :class:`GrammarCompiler` for that engine's tokenizer
+    (:func:`serve_in_worker`).  Only a processor that has not started can be
+    shipped (the parse state stays behind).
     """
 
     def __init__(self, matcher: Any, eos_token_ids: Sequence[int], vocab_size: int, *, kind: str = "grammar",
@@ -562,6 +563,8 @@ class GrammarProcessor:
         return self.matcher.is_stopped()
 
     def __call__(self, generated: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        import torch  # loaded already: logits are torch tensors (see the module docstring)
+
         t0 = time.perf_counter()
         n = len(generated)
         if n < self.consumed:
@@ -622,6 +625,17 @@ class GrammarProcessor:
 # ============================================================ processors in worker processes
 _compilers: Dict[Tuple[int, int, Tuple[int, ...]], GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
+#: (engine name, its tokenizer) of the engine this process serves as a worker; None in any other process
+_worker: Optional[Tuple[str, Any]] = None
+
+
+def serve_in_worker(engine_name: str, tokenizer: Any) -> None:
+    """Declare this process an engine worker serving ``engine_name``.  A
+    :class:`GrammarProcessor` unpickled here is then rebuilt for
+    ``tokenizer`` (None for a model without one, which refuses them).
+    ``engine_ext/worker.py`` calls it in its child once the engine is built."""
+    global _worker
+    _worker = (engine_name, tokenizer)
 
 
 def _process_compiler(tokenizer: Any, vocab_size: int, eos_token_ids: Tuple[int, ...]) -> GrammarCompiler:
@@ -639,13 +653,10 @@ def _rebuild_processor(spec: str, kind: str, eos_token_ids: Tuple[int, ...], voc
     """Unpickle a :class:`GrammarProcessor` (its ``__reduce__``): a fresh
     one for the same grammar, built for the tokenizer of the engine this
     worker process serves."""
-    from ..worker import serving_engine
-
-    engine = serving_engine()
-    tokenizer = getattr(engine, "tokenizer", None)
+    engine_name, tokenizer = _worker or (None, None)
     if tokenizer is None:
         raise RuntimeError("a GrammarProcessor is rebuilt only in an engine worker process whose model has a "
-                           "tokenizer" + ("" if engine is None else f" (engine {engine.name!r} has none)"))
+                           "tokenizer" + ("" if engine_name is None else f" (engine {engine_name!r} has none)"))
     gc = _process_compiler(tokenizer, vocab_size, tuple(eos_token_ids))
     if (gc.vocab_size, gc.eos_token_ids) != (vocab_size, tuple(eos_token_ids)):
         raise RuntimeError(f"this {kind} grammar was built for another tokenizer (vocabulary {vocab_size}, "

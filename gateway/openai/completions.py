@@ -17,7 +17,10 @@ once (the context is paused, the error becomes the call's result).
 
 The tool-call format (markers, prompt rendering) belongs to the model's
 parser (``model.tool_format``): the engine pauses on every marker in its
-``call_end``.
+``call_end``.  The loop never asks which format it has: where calls use
+earlier calls' results (the plan format's ``$N``), the format says which
+call ends the calls, which calls a call waits for, the arguments its tool
+gets and how its result reads back.
 
 Malformed calls.  A client call is passed on only once it is known to be well
 formed: its name is one of the offered tools and its arguments are a JSON
@@ -49,7 +52,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -63,8 +65,6 @@ from ..tools.base import InvalidToolArguments, ToolError
 
 
 log = logging.getLogger(__name__)
-
-_REF = re.compile(r"\$\{?(\d+)\}?")
 
 #: Tokens kept free for the model's answer when tool results are appended
 #: (a result that fills the context to the last token leaves nothing to say).
@@ -184,7 +184,7 @@ class _Call:
     arguments: Any = None
     error: Optional[str] = None
     aborted_early: bool = False
-    ignored: bool = False          # a plan's join(): ends the plan, runs nothing
+    ignored: bool = False          # the end of the calls (the format's ends_calls: a plan's join()), runs nothing
     ended: bool = False            # the parser closed it (ToolCallEnd or ParserError)
     emitted: bool = False          # a client call passed on to the client
     started_at: float = field(default_factory=time.time)
@@ -275,7 +275,7 @@ class _Turn:
 
     def _start(self, pe: ToolCallStart) -> List[Any]:
         plan = self.plan
-        if self.fmt.name == "plan" and pe.name == "join":  # end of plan, not a tool
+        if self.fmt.ends_calls(pe.name):  # the end of the calls, not a tool
             self.round.append(_Call(-1, pe.id, pe.name, True, ignored=True, ended=True))
             return []
         if pe.name in plan.server_tools or (plan.server_tools and pe.name not in plan.offered_tools):
@@ -286,7 +286,7 @@ class _Turn:
             self.calls.append(call)
             self.round.append(call)
             if call.tool is not None and plan.partial_execution:
-                _start(call, self.runtime, plan, self.calls)  # the tool starts now, decoding goes on
+                _start(call, self.runtime, plan, self.calls, self.fmt)  # the tool starts now, decoding goes on
             return [CallStart(call.index, call.id, call.name, True)]
         call = _Call(-1, pe.id, pe.name, False)  # a client call: held until it is known to be well formed
         self.calls.append(call)
@@ -313,10 +313,9 @@ class _Turn:
     def _end(self, call: _Call, arguments: Any) -> List[Any]:
         call.ended = True
         plan = self.plan
-        if (not call.server and self.fmt.name == "plan" and isinstance(arguments, dict) and "args" in arguments
-                and call.name in plan.offered_tools):
-            # a plan step for a client tool: positional arguments -> the tool's named parameters
-            arguments = _plan_arguments(plan.offered_tools.get(call.name), arguments, {})
+        if not call.server and call.name in plan.offered_tools:
+            # a client tool gets its arguments as its schema names them (a plan step's are positional)
+            arguments = self.fmt.tool_arguments(arguments, plan.offered_tools[call.name], {})
         call.arguments = arguments
         if call.server:
             if call.error:
@@ -354,7 +353,7 @@ class _Turn:
     # -- round bookkeeping ---------------------------------------------------
     def start_deferred(self) -> None:
         for call in self.deferred:
-            _start(call, self.runtime, self.plan, self.calls)
+            _start(call, self.runtime, self.plan, self.calls, self.fmt)
             call.events.put_nowait(("finish",))
         self.deferred = []
 
@@ -465,12 +464,7 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
                         break
                     rounds += 1
                     results = [await _result(call, metrics) for call in server]
-                    texts = []
-                    for call, res in zip(server, results):
-                        text = _result_text(res)
-                        if fmt.name == "plan" and isinstance(call.arguments, dict):
-                            text = f"${call.arguments.get('step')} = {text}"
-                        texts.append(text)
+                    texts = [fmt.named_result(call.arguments, _result_text(res)) for call, res in zip(server, results)]
                     room = (model.max_model_len - (prompt_tokens + completion_tokens) - 1
                             - min(ANSWER_RESERVE_TOKENS, max(0, sampling.max_tokens - completion_tokens)))
                     appended, cuts = fit_results(model.tokenizer, fmt, texts, room)
@@ -572,12 +566,12 @@ def _not_run(call: _Call, why: str) -> ServerToolResult:
                             and bool(call.runtime_call.partial), call.aborted_early)
 
 
-def _start(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_Call]) -> None:
+def _start(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_Call], fmt: Any) -> None:
     call.events = asyncio.Queue()
-    call.task = asyncio.ensure_future(_drive(call, runtime, plan, calls))
+    call.task = asyncio.ensure_future(_drive(call, runtime, plan, calls, fmt))
 
 
-async def _drive(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_Call]) -> Any:
+async def _drive(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_Call], fmt: Any) -> Any:
     """One server-side call: get a worker, pass on the parser's events in
     order, finish.  It runs beside the token loop, so waiting for a free
     worker or a slow tool never holds up decoding or streaming."""
@@ -593,7 +587,7 @@ async def _drive(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_C
                 await rc.line(item[1])
             elif item[0] == "finish":
                 call.finishing = True
-                return await _execute(call, calls)
+                return await _execute(call, calls, fmt)
             else:  # abandon
                 await rc.cancel()
                 return None
@@ -604,23 +598,22 @@ async def _drive(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_C
         return None
 
 
-async def _execute(call: _Call, calls: List[_Call]) -> Any:
-    """Finish a call.  A plan step first waits for the steps it references
-    and substitutes their results (LLMCompiler-style ``$N``)."""
-    args = call.arguments
-    if isinstance(args, dict) and "step" in args and "depends_on" in args:
-        by_step = {c.arguments.get("step"): c for c in calls
-                   if isinstance(c.arguments, dict) and "step" in c.arguments and c is not call}
-        values = {}
-        for n in args["depends_on"]:
+async def _execute(call: _Call, calls: List[_Call], fmt: Any) -> Any:
+    """Finish a call.  A call that uses earlier calls' results (the format
+    says which: a plan step's ``$N``) first waits for them; the format then
+    gives the tool its arguments, the results substituted."""
+    values: Dict[int, str] = {}
+    deps = fmt.depends_on(call.arguments)
+    if deps:
+        by_step = {fmt.step(c.arguments): c for c in calls if c is not call and fmt.step(c.arguments) is not None}
+        for n in deps:
             dep = by_step.get(n)
             res = await asyncio.shield(dep.task) if dep is not None and dep.task is not None else None
             if res is None:
-                call.error = f"step ${n} has no result"
+                call.error = f"step {fmt.reference(n)} has no result"
                 return None
             values[n] = _reference_value(dep, res)
-        args = _plan_arguments(call.tool.parameters, args, values)
-    return await call.runtime_call.finish(args)
+    return await call.runtime_call.finish(fmt.tool_arguments(call.arguments, call.tool.parameters, values))
 
 
 def _reference_value(dep: "_Call", res: Any) -> str:
@@ -628,28 +621,6 @@ def _reference_value(dep: "_Call", res: Any) -> str:
     if not res.ok:
         return f"(error: {res.error})"
     return dep.tool.result_text(res.content)
-
-
-def _plan_arguments(parameters: Optional[Dict[str, Any]], step: Dict[str, Any],
-                    values: Dict[int, str]) -> Dict[str, Any]:
-    """Positional plan arguments -> the tool's named parameters (the order of
-    its ``parameters`` schema), with ``$N`` references replaced by earlier
-    results (references without a value stay as written)."""
-    def sub(v: Any) -> Any:
-        if isinstance(v, str):
-            whole = _REF.fullmatch(v)
-            if whole and int(whole.group(1)) in values:
-                return values[int(whole.group(1))]
-            return _REF.sub(lambda m: values.get(int(m.group(1)), m.group(0)), v)
-        if isinstance(v, list):
-            return [sub(x) for x in v]
-        if isinstance(v, dict):
-            return {k: sub(x) for k, x in v.items()}
-        return v
-    names = list((parameters or {}).get("properties", {}))
-    out = {names[i]: sub(v) for i, v in enumerate(step.get("args", [])) if i < len(names)}
-    out.update({k: sub(v) for k, v in (step.get("kwargs") or {}).items()})
-    return out
 
 
 async def _result(call: _Call, metrics: Any) -> ServerToolResult:
