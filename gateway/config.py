@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 import jsonschema
 import yaml
 
+from ..engine_ext.native import options as native_options
 from ..engine_ext.policies import INTERCEPTION_NAMES, RANKING_NAMES, PolicySpec
 
 ENV_PREFIX = "os.environ/"
@@ -54,8 +55,8 @@ POLICY_PROPERTIES = {
 
 #: The native engine's own settings: at the model level, or in a native engine object (overriding them).
 NATIVE_PROPERTIES = {
-    "dtype": {"enum": ["auto", "float32", "bfloat16", "float16"]},
-    "weights": {"enum": ["as-shipped", "float32", "bfloat16", "int8"],
+    "dtype": {"enum": list(native_options.DTYPES)},
+    "weights": {"enum": list(native_options.WEIGHTS),
                 "description": "how the weight matmuls are stored (default: dense in dtype): as-shipped = a "
                                ".gguf's quantized tensors, int8 = per-channel int8 (docs/quantization.md)"},
     "device": {"type": "string"},
@@ -64,7 +65,7 @@ NATIVE_PROPERTIES = {
     "max_batched_tokens": {"type": "integer", "minimum": 1},
     "max_seqs": {"type": "integer", "minimum": 1},
     "max_model_len": {"type": "integer", "minimum": 16},
-    "attention": {"enum": ["auto", "kernel", "triton", "torch"],
+    "attention": {"enum": list(native_options.ATTENTION),
                   "description": "attention: kernel = compiled CPU decode kernel, reads the paged cache in place; "
                                  "triton = the Triton kernels (a GPU; without CUDA only under Triton's interpreter, "
                                  "for tests); torch = gathers it (the reference numerics); auto = the CPU kernel "

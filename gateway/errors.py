@@ -3,12 +3,26 @@
 Domain code (the semantic graph, the chat loop's planning) raises the
 HTTP-neutral errors below; the HTTP layer maps each class to a status and the
 API's own error body in one place, registered once as Starlette exception
-handlers.  Routes never wrap themselves.
+handlers (:func:`exception_handlers`, which ``create_app`` passes to
+Starlette).  Routes never wrap themselves.
+
+The body is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` on
+every route -- the official clients retry 5xx, so a bad request must never
+look like a server failure.  Engine errors are mapped here too
+(:func:`engine_error`), once for the chat route and the semantic calls: a
+context too long is the client's mistake (400), an engine that is gone a 503
+to retry, anything else ours (500).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Dict, Optional
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..engine_ext.errors import ContextTooLong, EngineClosed, EngineError, EngineUnavailable
 
 
 class GatewayError(Exception):
@@ -26,3 +40,91 @@ class InvalidInput(GatewayError):
 
 class DependencyFailed(GatewayError):
     """Something the request depends on failed: a tool node, or an upstream call (an HTTP 424)."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was ready (nobody to answer: 499)."""
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape, with its HTTP status (what the HTTP layer raises)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers  # extra response headers (Retry-After of a 503)
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+#: The HTTP status of each domain error.
+STATUS = {InvalidInput: 400, DependencyFailed: 424}
+
+#: Seconds a client is asked to wait before retrying a request no engine (replica) could serve.
+RETRY_AFTER_S = 1
+
+
+def api_error(e: GatewayError) -> APIError:
+    """A domain error in the API's shape."""
+    status = next(STATUS[c] for c in type(e).__mro__ if c in STATUS)
+    return APIError(status, e.message, param=e.param, code=e.code)
+
+
+def engine_error(e: EngineError) -> APIError:
+    """An engine error in the API's shape: a context too long for the model is the
+    client's mistake; an engine (replica) that is gone is a 503 to retry; other
+    engine errors are ours.  The chat route answers it; a semantic call records
+    its message and code as the call's error."""
+    if isinstance(e, ContextTooLong):
+        return APIError(400, str(e), code="context_length_exceeded")
+    if isinstance(e, (EngineUnavailable, EngineClosed)):
+        return APIError(503, f"engine unavailable: {e}", "server_error", code="engine_unavailable",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    return APIError(500, f"engine error: {e}", "server_error", code="engine_error")
+
+
+def exception_handlers(metrics: Any) -> Dict[Any, Callable[[Request, Exception], Any]]:
+    """The handlers ``create_app`` registers with Starlette, one per class.  Refused
+    requests (an :class:`APIError`, a domain error) and clients gone (499) are
+    counted in ``metrics`` by path; unknown endpoints and methods are answered
+    in the same shape, uncounted, as is an unexpected exception (500)."""
+
+    def refused(request: Request, err: APIError) -> Response:
+        metrics.request(request.url.path, "", err.status)
+        return err.response()
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return refused(request, exc)
+
+    async def on_domain_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
+        return refused(request, api_error(exc))
+
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        # nobody to answer; 499 is what the access log and metrics show
+        metrics.request(request.url.path, "", 499)
+        return Response(status_code=499)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = {404: f"no such endpoint: {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return JSONResponse(APIError(exc.status_code, message, code=code).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    async def on_server_error(request: Request, exc: Exception) -> Response:
+        # Starlette logs the traceback (the exception is re-raised after this answer).
+        return JSONResponse(APIError(500, f"internal server error ({type(exc).__name__}); the gateway's log "
+                                          "has the details", "server_error", code="internal_error").body(),
+                            status_code=500)
+
+    return {APIError: on_api_error, GatewayError: on_domain_error, ClientGone: on_client_gone,
+            HTTPException: on_http_error, Exception: on_server_error}

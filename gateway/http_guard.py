@@ -1,7 +1,8 @@
 """What the HTTP layer checks before a request reaches a model: who is calling
 (API keys), what the caller may do (server-side tools, replay), where a
 browser request comes from (Origin, CORS), and what the body is (JSON content
-type, size limit enforced while reading).
+type, size limit enforced while reading) -- and, once a request runs, whether
+its client is still there (:func:`until_disconnected`).
 
 The threat model is in docs/security.md ("The HTTP surface").  In short: the
 gateway runs code for callers (the ``python`` tool), so a request that only
@@ -11,23 +12,21 @@ browser posting ``text/plain`` to 127.0.0.1 -- must not be enough to use it.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Awaitable, Dict, Iterable, List, Optional, TypeVar
 
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .config import ApiKey, GatewayConfig, ServerTools, may_use_tool
-from .openai.wire import APIError
+from .errors import APIError, ClientGone
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the answer was ready (nobody to answer)."""
 
 
 # ------------------------------------------------------------------ identity
@@ -156,6 +155,34 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
+# ------------------------------------------------------------------- client
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` until it finishes or the client disconnects, whichever comes first;
+    on a disconnect ``work`` is cancelled (its generation aborted, its context freed)
+    and :class:`ClientGone` raised.  The body has been read, so the next ASGI message
+    can only be ``http.disconnect``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("request failed while its client disconnected: %r", task.exception())
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():  # we were cancelled ourselves
+            task.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 # ------------------------------------------------------------------- origin
 class OriginGuard:
     """Refuses (403) every request whose ``Origin`` header is not an allowed origin.
@@ -180,7 +207,7 @@ class OriginGuard:
             if origin is not None and not self.allows(origin):
                 err = APIError(403, f"requests from the browser origin {origin!r} are not allowed "
                                     "(server.cors_origins)", "permission_error", code="origin_not_allowed")
-                await JSONResponse(err.body(), status_code=403)(scope, receive, send)
+                await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -10,9 +10,9 @@ docs/semantic-variables.md.
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Any, Dict, Iterable, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Tuple
 
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Mount, Route
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},
@@ -153,19 +153,28 @@ def _version() -> str:
         return "0"
 
 
-def openapi_document(routes: Iterable[Route]) -> Dict[str, Any]:
+def _endpoints(routes: Iterable[BaseRoute], prefix: str = "", names: Tuple[str, ...] = ()
+               ) -> Iterator[Tuple[str, List[str], Route]]:
+    """(full path, path parameter names, route) of every route, mounted groups included."""
+    for r in routes:
+        if isinstance(r, Mount):
+            yield from _endpoints(r.routes, prefix + r.path, (*names, *(p for p in r.param_convertors if p != "path")))
+        elif isinstance(r, Route):
+            yield prefix + r.path, [*names, *r.param_convertors], r
+
+
+def openapi_document(routes: Iterable[BaseRoute]) -> Dict[str, Any]:
     """Every route of ``routes`` with its operation (a route without a
     description here is still listed, marked undocumented)."""
     paths: Dict[str, Dict[str, Any]] = {}
-    for r in routes:
+    for path, names, r in _endpoints(routes):
         methods = sorted(m.lower() for m in (r.methods or {"GET"}) if m != "HEAD")
         for m in methods:
-            op = OPERATIONS.get((r.path, m)) or {"summary": "(undocumented)", "responses": {"200": {"description": ""}}}
-            params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-                      for p in r.param_convertors]
+            op = OPERATIONS.get((path, m)) or {"summary": "(undocumented)", "responses": {"200": {"description": ""}}}
+            params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in names]
             if params:
                 op = {**op, "parameters": params + op.get("parameters", [])}
-            paths.setdefault(r.path, {})[m] = op
+            paths.setdefault(path, {})[m] = op
     return {"openapi": "3.1.0",
             "info": {"title": "Interlace gateway", "version": _version(),
                      "description": "OpenAI-compatible chat completions with server-side tools, and Parrot-style "

@@ -101,7 +101,7 @@ def check_serve_config(cfg) -> None:
     except ConfigError as e:
         raise UserError(str(e)) from e
     if any(spec.path.startswith("zoo/") for spec in cfg.models.values()):
-        from interlace.gateway.app import zoo_engine_specs
+        from interlace.gateway.models import zoo_engine_specs
 
         try:  # every zoo variant known, of one base per engine, held by some replica
             zoo_engine_specs(cfg)

@@ -116,7 +116,7 @@ def test_plugins_command_shows_tool_info(tmp_path):
     import os
     from pathlib import Path
 
-    p = write(tmp_path, "models:\n  m: {path: embedded}\nplugins: {entrypoints: false, modules: [info_plugin]}\n")
+    p = write(tmp_path, "models:\n  m: {path: embedded}\nplugins: {entrypoints: false, modules: [helpers.info_plugin]}\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-m", "interlace.cli", "plugins", "--config", str(p)],
                          capture_output=True, text=True, timeout=120, env=env)
@@ -200,7 +200,8 @@ def test_engine_threads_are_set_before_engines_load_and_shared_by_process_replic
 
     import torch
 
-    from interlace.gateway.app import Gateway, _process_threads
+    from interlace.gateway.app import Gateway
+    from interlace.gateway.models import _process_threads
 
     old = torch.get_num_threads()
     seen = []
@@ -235,3 +236,24 @@ def test_engine_threads_are_set_before_engines_load_and_shared_by_process_replic
 def test_thread_setting_errors(raw, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_config({"models": {"m": {"path": "embedded"}}, **raw})
+
+
+def test_every_native_setting_the_config_accepts_reaches_the_engine(monkeypatch):
+    """The native engine declares its settings once (engine_ext/native/options.py): the config's enums
+    are its names, and every native setting a config validates is passed on to NativeEngine.load (the
+    gateway's own key list once dropped cuda_graphs and gpu_memory_utilization silently)."""
+    from interlace.engine_ext.native import options
+    from interlace.gateway import models
+    from interlace.gateway.config import NATIVE_PROPERTIES
+
+    assert NATIVE_PROPERTIES["dtype"]["enum"] == list(options.DTYPES)
+    assert NATIVE_PROPERTIES["weights"]["enum"] == list(options.WEIGHTS)
+    assert NATIVE_PROPERTIES["attention"]["enum"] == list(options.ATTENTION)
+    assert set(NATIVE_PROPERTIES) == set(options.LOAD_KEYS)
+    seen = {}
+    monkeypatch.setattr(models, "load_native", lambda path, kwargs, policy: seen.update(kwargs) or "engine")
+    cfg = parse_config({"models": {"m": {"path": "embedded", "cuda_graphs": False, "gpu_memory_utilization": 0.5,
+                                         "max_model_len": 64}}})
+    spec = cfg.models["m"]
+    assert models.load_replica(spec, spec.replicas[0]) == "engine"
+    assert (seen["cuda_graphs"], seen["gpu_memory_utilization"], seen["max_model_len"]) == (False, 0.5, 64)

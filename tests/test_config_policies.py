@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from interlace.engine_ext.policies import INTERCEPTION_NAMES, RANKING_NAMES, Profile
-from interlace.gateway.app import engine_profile
+from interlace.engine_ext.native.setup import engine_profile
 from interlace.gateway.config import ConfigError, load_config, parse_config
 
 

@@ -24,7 +24,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway_server import LiveGateway
+from helpers.gateway_server import LiveGateway
 
 MAX_MODEL_LEN = 2048
 
@@ -176,17 +176,23 @@ def test_required_and_named_are_forced_in_the_format(client, live, name):
     jsonschema.validate(args, SCHEMAS[named])
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_server_side_tool_result_fed_back(client, live, name):
+def plan_of(gw, model, body):
+    """The plan the chat route makes of ``body``, with the gateway's tools and limits."""
     from interlace.gateway.openai.plan import build_plan
 
+    return build_plan(model, body, available_tools=gw.runtime.tools, default_max_tokens=gw.config.default_max_tokens,
+                      max_tool_rounds=gw.config.max_tool_rounds)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_server_side_tool_result_fed_back(client, live, name):
     f = FORMATS[name]
     tool = f.server_call[0]
     body = dict(model=name, messages=[{"role": "user", "content": "What is 6 times 7?"}], max_tokens=150,
                 extra_body={"interlace": {"server_tools": [tool], "replay": [f.write([f.server_call]), "It is 42."]}})
     r = client.chat.completions.create(**body)
-    prompt = build_plan(live.gateway, live.gateway.models[name],
-                        {"model": name, "messages": body["messages"], **body["extra_body"]}).prompt_ids
+    prompt = plan_of(live.gateway, live.gateway.models[name],
+                     {"model": name, "messages": body["messages"], **body["extra_body"]}).prompt_ids
     assert r.usage.prompt_tokens > len(prompt) + 5  # the result went into the context (a resumed round)
     ch = r.choices[0]
     assert ch.message.content.endswith("It is 42.") and ch.finish_reason == "stop", ch.message
@@ -194,6 +200,20 @@ def test_server_side_tool_result_fed_back(client, live, name):
     (res,) = r.model_extra["interlace"]["tool_calls"]
     assert res["name"] == tool and res["ok"] and res["index"] == 0, res
     assert "42" in json.dumps(res["content"])
+
+
+def test_plan_step_waits_for_the_step_it_refers_to(client):
+    """A plan step that refers to an earlier step (``$1``) runs with that step's result in place of the
+    reference, its positional argument named by the tool's schema; ``join()`` runs nothing."""
+    plan = '$1 = calculator("6*7")\n$2 = calculator("$1 + 1")\n3. join()'
+    r = client.chat.completions.create(
+        model="plan", messages=[{"role": "user", "content": "What is 6 times 7, plus one?"}], max_tokens=150,
+        extra_body={"interlace": {"server_tools": ["calculator"], "replay": [plan, "It is 43."]}})
+    ch = r.choices[0]
+    assert ch.message.content.endswith("It is 43.") and ch.finish_reason == "stop", ch.message
+    first, second = r.model_extra["interlace"]["tool_calls"]  # join() is not a call
+    assert first["ok"] and second["ok"], (first, second)
+    assert "42" in json.dumps(first["content"]) and "43" in json.dumps(second["content"]), second
 
 
 # ============================================================ the loop's rules
@@ -301,10 +321,8 @@ def test_huge_tool_result_is_truncated_not_a_client_error(client):
 
 
 def test_default_max_tokens_is_bounded(live):
-    from interlace.gateway.openai.plan import build_plan
-
     gw = live.gateway
-    plan = build_plan(gw, gw.models["hermes"], {"model": "hermes", "messages": USER})
+    plan = plan_of(gw, gw.models["hermes"], {"model": "hermes", "messages": USER})
     assert plan.sampling.max_tokens == min(gw.config.default_max_tokens, MAX_MODEL_LEN - len(plan.prompt_ids))
     assert plan.sampling.max_tokens < MAX_MODEL_LEN - len(plan.prompt_ids)
 
@@ -324,14 +342,12 @@ def test_no_leaked_contexts(live):
 
 
 def test_special_tokens_are_decoded_when_the_format_needs_them(live):
-    from interlace.gateway.openai.plan import build_plan
-
     gw = live.gateway
     for name in NAMES:
         model = gw.models[name]
-        with_tools = build_plan(gw, model, {"model": name, "messages": USER, "tools": [WEATHER]}).sampling
+        with_tools = plan_of(gw, model, {"model": name, "messages": USER, "tools": [WEATHER]}).sampling
         assert with_tools.skip_special_tokens is not bool(model.tool_format.special_tokens), name
         for body in ({}, {"tools": [WEATHER], "tool_choice": "none"}):  # nothing parsed: plain decoding
-            plain = build_plan(gw, model, {"model": name, "messages": USER, **body}).sampling
+            plain = plan_of(gw, model, {"model": name, "messages": USER, **body}).sampling
             assert plain.skip_special_tokens is True, (name, body)
     assert gw.models["mistral"].tool_format.special_tokens  # [TOOL_CALLS]: the case that matters

@@ -11,7 +11,7 @@ import openai
 import psutil
 import pytest
 
-from gateway_server import LiveGateway, engine_state, wait_idle
+from helpers.gateway_server import LiveGateway, engine_state, wait_idle
 
 KEY = "test-key"
 WEATHER = {"type": "function", "function": {

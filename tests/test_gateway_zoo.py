@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from gateway_server import LiveGateway, wait_idle
+from helpers.gateway_server import LiveGateway, wait_idle
 from interlace.gateway.config import ConfigError, parse_config
 
 KEY = "zoo-key"
@@ -70,7 +70,7 @@ def test_replicas_hold_their_variants(smol_zoo):
 
 
 def test_zoo_config_errors(smol_zoo, tmp_path):
-    from interlace.gateway.app import zoo_engine_specs
+    from interlace.gateway.models import zoo_engine_specs
 
     bad = zoo_config(smol_zoo)
     bad["models"]["other"] = {"path": "zoo/nope"}

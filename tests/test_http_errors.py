@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from gateway_server import LiveGateway, engine_state, wait_idle
-from interlace.gateway.app import load_engine
+from helpers.gateway_server import LiveGateway, engine_state, wait_idle
+from interlace.gateway.models import load_engine
 
 USER = [{"role": "user", "content": "Say hello."}]
 FAIL_SEED = 424242  # requests with this seed meet an engine failure after a few tokens
@@ -237,3 +237,64 @@ def test_non_streaming_client_disconnect_frees_context(live):
 def test_no_leaked_contexts_or_blocks(live):
     st = wait_idle(live)
     assert st["contexts"] == 0 and st["used_blocks"] == 0
+
+
+# ------------------------------------------------------------ one error shape
+def test_every_error_class_is_answered_by_the_handlers_registered_once():
+    """Routes raise and never wrap themselves: the handlers create_app registers answer
+    each error class in OpenAI's shape (engine errors mapped once, for every wing) and
+    count the refusals by path."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from interlace.engine_ext.errors import ContextTooLong, EngineClosed, EngineError
+    from interlace.gateway.app import create_app
+    from interlace.gateway.config import parse_config
+    from interlace.gateway.errors import (APIError, ClientGone, DependencyFailed, GatewayError, InvalidInput,
+                                          engine_error, exception_handlers)
+    from interlace.gateway.metrics import Metrics
+
+    gateway = create_app(parse_config({"models": {"m": {"path": "embedded"}}}))
+    assert {APIError, GatewayError, ClientGone} <= set(gateway.exception_handlers)
+
+    raised = {"/invalid": InvalidInput("bad x", param="x", code="invalid_value"),
+              "/dependency": DependencyFailed("tool 't' failed", code="tool_failed"),
+              "/gone": ClientGone(),
+              "/closed": engine_error(EngineClosed("closed")),
+              "/long": engine_error(ContextTooLong("too long")),
+              "/engine": engine_error(EngineError("out of blocks"))}
+
+    async def route(request):
+        raise raised[request.url.path]
+
+    metrics = Metrics()
+    client = TestClient(Starlette(routes=[Route(p, route) for p in raised],
+                                  exception_handlers=exception_handlers(metrics)))
+
+    def error(path):
+        r = client.get(path)
+        return r.status_code, r.json()["error"], r.headers
+
+    assert error("/invalid")[:2] == (400, {"message": "bad x", "type": "invalid_request_error", "param": "x",
+                                           "code": "invalid_value"})
+    assert error("/dependency")[:2] == (424, {"message": "tool 't' failed", "type": "invalid_request_error",
+                                              "param": None, "code": "tool_failed"})
+    status, err, headers = error("/closed")
+    assert (status, err["type"], err["code"], headers["retry-after"]) == (503, "server_error", "engine_unavailable", "1")
+    assert error("/long")[:2] == (400, {"message": "too long", "type": "invalid_request_error", "param": None,
+                                        "code": "context_length_exceeded"})
+    assert error("/engine")[:2] == (500, {"message": "engine error: out of blocks", "type": "server_error",
+                                          "param": None, "code": "engine_error"})
+    gone = client.get("/gone")
+    assert gone.status_code == 499 and gone.content == b""
+    assert error("/nowhere")[:2] == (404, {"message": "no such endpoint: /nowhere", "type": "invalid_request_error",
+                                           "param": None, "code": "not_found"})
+
+    def counted(path, status):
+        return metrics.registry.get_sample_value("interlace_requests_total",
+                                                 {"endpoint": path, "model": "", "status": str(status)})
+
+    assert [counted(p, s) for p, s in (("/invalid", 400), ("/dependency", 424), ("/gone", 499),
+                                       ("/closed", 503))] == [1.0] * 4
+    assert counted("/nowhere", 404) is None  # unknown endpoints are not counted (as before)

@@ -10,7 +10,7 @@ import socket
 import httpx
 import pytest
 
-from gateway_server import LiveGateway
+from helpers.gateway_server import LiveGateway
 from interlace import hookimpl
 from interlace.gateway.app import create_app
 from interlace.gateway.config import load_config, parse_config

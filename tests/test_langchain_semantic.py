@@ -22,7 +22,7 @@ from langchain_core.runnables import (RunnableBranch, RunnableGenerator, Runnabl
                                       RunnablePassthrough)
 from pydantic import BaseModel
 
-from gateway_server import LiveGateway, engine_state
+from helpers.gateway_server import LiveGateway, engine_state
 from interlace.sdk.langchain import ChatInterlace, ConversionError, to_semantic
 
 KEY = "lc-semantic-key"

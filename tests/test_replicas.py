@@ -284,22 +284,22 @@ def test_a_dead_replica_wakes_a_stream_waiting_on_it(tiny_dirs):
 
 # ================================================================== gateway
 def test_a_replica_that_fails_to_start_closes_those_started(monkeypatch, tiny_dirs):
-    from interlace.gateway import app
+    from interlace.gateway import models
     from interlace.gateway.config import parse_config
 
     started = []
-    real = app.load_native
+    real = models.load_native
 
     def load_native(*args, **kw):
         started.append(real(*args, **kw))
         return started[-1]
 
-    monkeypatch.setattr(app, "load_native", load_native)
+    monkeypatch.setattr(models, "load_native", load_native)
     spec = parse_config({"models": {"m": {
         "path": str(tiny_dirs["llama"][0]), "dtype": "float32", "kv_cache_tokens": 256, "profile": "h100-llama-3-8b",
         "replicas": [{"kind": "native"}, {"kind": "native", "device": "no-such-device"}]}}}).models["m"]
     with pytest.raises(RuntimeError, match="no-such-device"):
-        app.load_engine(spec)
+        models.load_engine(spec)
     assert len(started) == 1
     with pytest.raises(E.EngineClosed):
         asyncio.run(started[0].fill("c", prompt(1)))
@@ -311,7 +311,7 @@ def metric(text: str, line_start: str) -> float:
 
 
 def test_gateway_serves_two_replicas_and_answers_503_when_none_is_left():
-    from gateway_server import LiveGateway
+    from helpers.gateway_server import LiveGateway
 
     cfg = {"models": {"smollm2": {"path": "embedded", "dtype": "float32", "kv_cache_tokens": 2048, "replicas": 2}},
            "plugins": {"entrypoints": False}}

@@ -14,8 +14,9 @@ import time
 
 import httpx
 import pytest
+from starlette.routing import Mount
 
-from gateway_server import LiveGateway, engine_state
+from helpers.gateway_server import LiveGateway, engine_state
 
 KEY, TOOL_KEY = "sv-key", "sv-tool-key"
 MODEL = {"path": "embedded", "kv_cache_tokens": 4096, "dtype": "float32"}
@@ -233,6 +234,31 @@ def test_transforms_and_constants(live, http):
     import re
     assert value == re.search("[A-Z][a-z]+", raw_stream.strip()).group(0)
     assert value != raw_stream
+    s.delete()
+
+
+# ------------------------------------------------------------ sampling limits
+@pytest.mark.parametrize("setting, ok", [
+    ({"temperature": 50}, False),                        # SamplingParams' own bound is 100; the API's is 2
+    ({"stop": [f"<s{i}>" for i in range(9)]}, True),     # up to 16 stop strings, not 8
+    ({"stop": [f"<s{i}>" for i in range(17)]}, False),
+    ({"seed": 2 ** 63}, False),                          # a seed within int64
+    ({"temperature": None}, True),                       # null is "not given"
+])
+def test_a_semantic_call_samples_within_the_chat_routes_limits(live, http, setting, ok):
+    """One set of sampling limits (gateway/sampling.py): a semantic call's ``sampling`` gets the
+    answer the chat route gives the same settings, down to the code and the field named."""
+    s = S(http)
+    r = s.llm("Say hi. {{output:out}}", expect=201 if ok else 400, out={"sampling": {"max_tokens": 1, **setting}})
+    chat = http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": "smollm2", "messages": [{"role": "user", "content": "Say hi."}],
+                           "max_tokens": 1, **setting})
+    assert chat.status_code == (200 if ok else 400), chat.text
+    if not ok:
+        err, chat_err = r["error"], chat.json()["error"]
+        assert err["code"] == chat_err["code"] == "invalid_value"
+        assert err["param"] == f"outputs.out.sampling.{chat_err['param']}"
+        assert err["message"] == f"outputs.out.sampling.{chat_err['message']}"
     s.delete()
 
 
@@ -502,7 +528,19 @@ def test_openapi_lists_every_route_with_its_description(live, http):
     doc = http.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.")
     listed = {(p, m) for p, ops in doc["paths"].items() for m in ops}
-    served = {(r.path, m.lower()) for r in live.app.routes for m in (r.methods or ()) if m != "HEAD"}
+
+    def served_by(routes, prefix=""):  # mounted groups (the session routes) included
+        for r in routes:
+            if isinstance(r, Mount):
+                yield from served_by(r.routes, prefix + r.path)
+            else:
+                yield from ((prefix + r.path, m.lower()) for m in (r.methods or ()) if m != "HEAD")
+
+    served = set(served_by(live.app.routes))
     assert served == listed
     assert served <= set(OPERATIONS), served - set(OPERATIONS)
     assert ("/v1/sessions/{sid}/variables/{vid}", "get") in listed
+    # the session routes are one mounted group; their path parameters are still documented
+    assert [r.path for r in live.app.routes if isinstance(r, Mount)] == ["/v1/sessions"]
+    params = doc["paths"]["/v1/sessions/{sid}/variables/{vid}"]["get"]["parameters"]
+    assert [p["name"] for p in params if p["in"] == "path"] == ["sid", "vid"]

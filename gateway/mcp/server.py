@@ -47,6 +47,7 @@ from typing import Any, Optional
 import mcp_types as types
 from mcp.server.lowlevel import Server
 
+from ...version import __version__
 from ..config import GatewayConfig, ServerTools, may_use_tool
 from ..tools.base import Tool
 
@@ -125,7 +126,7 @@ def error_result(text: str) -> types.CallToolResult:
 
 
 def to_call_result(result: Any) -> types.CallToolResult:
-    """A :class:`~interlace.gateway.tools.runtime.ToolResult` as MCP's ``CallToolResult``.
+    """A :class:`~interlace.gateway.tools.call.ToolResult` as MCP's ``CallToolResult``.
 
     Success: the text the model would see (``to_text()``), plus the content as
     ``structuredContent`` when it is a JSON object.  Failure: ``isError`` with
@@ -139,15 +140,6 @@ def to_call_result(result: Any) -> types.CallToolResult:
 
 
 # =========================================================================== the server
-
-
-def _interlace_version() -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("interlace")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 def build_server(runtime: Any, *, identify: Callable[[Any], Caller] = _local, name: str = "interlace") -> Server:
@@ -190,7 +182,7 @@ def build_server(runtime: Any, *, identify: Callable[[Any], Caller] = _local, na
             return error_result(f"{type(exc).__name__}: {exc}")
         return to_call_result(result)
 
-    return Server(name, version=_interlace_version(), on_list_tools=list_tools, on_call_tool=call_tool)
+    return Server(name, version=__version__, on_list_tools=list_tools, on_call_tool=call_tool)
 
 
 # =========================================================================== tools and runtime
@@ -293,7 +285,7 @@ class BearerGuard:
         from starlette.responses import JSONResponse
 
         from ..http_guard import authenticate, permissions
-        from ..openai.wire import APIError
+        from ..errors import APIError
 
         try:
             key = authenticate(self.config, Request(scope))

@@ -1,0 +1,19 @@
+"""The OpenAI chat-completions wing: ``POST /v1/chat/completions`` and the agent loop behind it.
+
+A request walks the modules in this order:
+
+* ``routes.py``: the route (authenticate, validate, plan, run), and the answer
+  made of the loop's events: one ``chat.completion`` or a stream of chunks;
+* ``wire.py``: the wire format: the request schema and its validation, ids,
+  stream chunks and server-sent events;
+* ``plan.py``: a validated request to a ``CompletionPlan``: prompt tokens,
+  sampling, the constraints of ``tool_choice`` / ``response_format``, the
+  server-side tools it may use;
+* ``completions.py``: the agent loop: generate, parse tool calls as they
+  stream, run server-side tools while the context is paused, resume;
+* ``retention.py``: finished contexts kept across client-side tool calls, so
+  the follow-up request does not prefill its history again.
+
+What both wings share (the served models, errors, prompt rendering) lives at
+the gateway root, not here.
+"""

@@ -1,8 +1,11 @@
 """From a validated chat-completions request to a :class:`CompletionPlan`:
 the prompt tokens, sampling parameters, the constraints that enforce
 ``tool_choice`` / ``response_format``, and the server-side tools a request may
-use.  The HTTP layer (``app.py``) has already authenticated the caller and
-checked its permissions; ``caller`` names it for the tool policy hooks.
+use.  The route (``routes.py``) has already authenticated the caller and
+checked its permissions; ``caller`` names it for the tool policy hooks.  What
+the plan needs of the gateway is passed in (the served tools, the default and
+maximum limits), so planning does not reach back into the composition root.
+A request it cannot plan is refused with ``InvalidInput`` (a 400: gateway/errors.py).
 
 Decisions worth knowing:
 
@@ -27,39 +30,43 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ...engine_ext.errors import InvalidSampling
 from ...engine_ext.constraints.forced import ForcedOutput
 from ...engine_ext.protocol import SamplingParams
-from . import wire as api
+from ..errors import InvalidInput
 from ..prompt import render_messages
 from .completions import CompletionPlan, FirstRoundOnly
 
 
-def build_plan(gw: Any, model: Any, body: Dict[str, Any], caller: Optional[str] = None) -> CompletionPlan:
+def build_plan(model: Any, body: Dict[str, Any], *, available_tools: Mapping[str, Any], default_max_tokens: int,
+               max_tool_rounds: int, caller: Optional[str] = None) -> CompletionPlan:
+    """The plan of ``body`` on ``model``.  ``available_tools``: the gateway's server-side
+    tools by name; ``default_max_tokens`` and ``max_tool_rounds``: what a request that
+    does not say gets (``server.default_max_tokens``, ``server.max_tool_rounds``)."""
     ext = body.get("interlace") or {}
     tools: List[Dict[str, Any]] = list(body.get("tools") or [])
-    server = server_tools(gw, ext.get("server_tools"), tools)
+    server = server_tools(available_tools, ext.get("server_tools"), tools)
     choice = body.get("tool_choice") or ("auto" if tools else "none")
     fmt = model.tool_format
     try:  # the tools stay visible with tool_choice "none" (OpenAI's behaviour)
         prompt = render_messages(model.tokenizer, body["messages"], tools, fmt)
     except ValueError as e:
-        raise api.APIError(400, f"messages could not be rendered for this model: {e}", param="messages",
+        raise InvalidInput(f"messages could not be rendered for this model: {e}", param="messages",
                            code="invalid_value")
     room = model.max_model_len - len(prompt)
     if room < 1:
-        raise api.APIError(400, f"this model's maximum context length is {model.max_model_len} tokens; the "
-                                f"messages take {len(prompt)} tokens", param="messages",
+        raise InvalidInput(f"this model's maximum context length is {model.max_model_len} tokens; the "
+                           f"messages take {len(prompt)} tokens", param="messages",
                            code="context_length_exceeded")
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     if max_tokens is not None and max_tokens > room:
-        raise api.APIError(400, f"this model's maximum context length is {model.max_model_len} tokens; the "
-                                f"messages take {len(prompt)} and max_tokens asks for {max_tokens} more",
+        raise InvalidInput(f"this model's maximum context length is {model.max_model_len} tokens; the "
+                           f"messages take {len(prompt)} and max_tokens asks for {max_tokens} more",
                            param="max_tokens", code="context_length_exceeded")
     if max_tokens is None:
-        max_tokens = min(room, gw.config.default_max_tokens)
+        max_tokens = min(room, default_max_tokens)
     parse_tools = choice != "none" and bool(tools)
     processors = constraint(model, body, tools, choice)
     if ext.get("replay") is not None:
@@ -85,31 +92,30 @@ def build_plan(gw: Any, model: Any, body: Dict[str, Any], caller: Optional[str] 
             # the parser must see the format's special tokens ([TOOL_CALLS], <|python_tag|>) in the text
             skip_special_tokens=not (parse_tools and fmt.special_tokens))
     except InvalidSampling as e:
-        raise api.APIError(400, str(e), code="invalid_value")
+        raise InvalidInput(str(e), code="invalid_value")
     offered = {f["name"]: f.get("parameters") for f in (t.get("function", t) for t in tools
                                                          if t.get("type", "function") == "function")}
     return CompletionPlan(prompt_ids=prompt, sampling=sampling, parse_tools=parse_tools,
                           server_tools=server, partial_execution=ext.get("partial_execution", True),
-                          max_tool_rounds=ext.get("max_tool_rounds", gw.config.max_tool_rounds),
+                          max_tool_rounds=ext.get("max_tool_rounds", max_tool_rounds),
                           parallel_tool_calls=body.get("parallel_tool_calls") is not False,
                           request_info={"model": model.name, "user": body.get("user"), "key": caller},
                           offered_tools=offered)
 
 
-def server_tools(gw: Any, wanted: Any, tools: List[Dict[str, Any]]) -> Dict[str, Any]:
+def server_tools(available: Mapping[str, Any], wanted: Any, tools: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The server-side tools a request asks for (``interlace.server_tools``:
-    true for every enabled one, or a list of names); each is added to
-    ``tools`` (in place) unless the request describes it already."""
+    true for every enabled one of ``available``, or a list of names); each is
+    added to ``tools`` (in place) unless the request describes it already."""
     server: Dict[str, Any] = {}
     if not wanted:
         return server
-    available = gw.runtime.tools if gw.runtime else {}
     names = [n for n, t in available.items() if t.enabled] if wanted is True else wanted
     for n in names:
         tool = available.get(n)
         if tool is None or not tool.enabled:
-            raise api.APIError(400, f"unknown server tool {n!r} (enabled: "
-                                    f"{', '.join(k for k, t in available.items() if t.enabled)})",
+            raise InvalidInput(f"unknown server tool {n!r} (enabled: "
+                               f"{', '.join(k for k, t in available.items() if t.enabled)})",
                                param="interlace.server_tools", code="unknown_tool")
         server[n] = tool
         if not any(t["function"]["name"] == n for t in tools):
@@ -126,6 +132,7 @@ def constraint(model: Any, body: Dict[str, Any], tools: List[Dict[str, Any]], ch
     if not forcing and rf.get("type") not in ("json_object", "json_schema"):
         return ()
     from ...engine_ext.constraints.grammar import GrammarError
+    from ...parsers.formats import CannotForce
 
     g = model.grammar()
     try:
@@ -137,9 +144,9 @@ def constraint(model: Any, body: Dict[str, Any], tools: List[Dict[str, Any]], ch
             grammar = g.json_schema(rf["json_schema"]["schema"])
         else:
             grammar = g.json_object()
-    except GrammarError as e:
+    except (GrammarError, CannotForce) as e:
         param = "tools" if str(e).startswith("tools") else "tool_choice" if forcing else "response_format"
-        raise api.APIError(400, str(e), param=param, code="invalid_value")
+        raise InvalidInput(str(e), param=param, code="invalid_value")
     return (g.processor(grammar),)
 
 
@@ -158,10 +165,10 @@ def check_replay(model: Any, processors: Sequence[Any], ids: List[int]) -> None:
             masked = proc(ids[:i], masked)
         if i < len(ids) and masked[ids[i]] == float("-inf"):
             done = model.tokenizer.decode(ids[:i])
-            raise api.APIError(400, f"interlace.replay does not satisfy the request's tool_choice / "
-                                    f"response_format: the constraint rejects it after {done[-60:]!r}",
+            raise InvalidInput(f"interlace.replay does not satisfy the request's tool_choice / "
+                               f"response_format: the constraint rejects it after {done[-60:]!r}",
                                param="interlace.replay", code="invalid_value")
         if i == len(ids) and not any(masked[e] != float("-inf") for e in eos):
-            raise api.APIError(400, "interlace.replay does not satisfy the request's tool_choice / "
-                                    "response_format: the text ends before the constrained output is complete",
+            raise InvalidInput("interlace.replay does not satisfy the request's tool_choice / "
+                               "response_format: the text ends before the constrained output is complete",
                                param="interlace.replay", code="invalid_value")

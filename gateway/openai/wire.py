@@ -1,9 +1,10 @@
-"""The OpenAI chat-completions surface: request validation, OpenAI-shaped
-errors, and response / stream-chunk shaping.
+"""The OpenAI chat-completions wire format: the request schema and its
+validation (a body is checked whole before anything is planned), and the
+pieces every answer is made of (ids, stream chunks, server-sent events).
 
-Client mistakes are 4xx with OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}`` -- the official clients
-retry 5xx, so a bad request must never look like a server failure.
+A client mistake is a 4xx ``APIError`` (gateway/errors.py: one error shape
+for every route) -- the official clients retry 5xx, so a bad request must
+never look like a server failure.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jsonschema
 import numpy as np
 
 from ...parsers.jsonscan import loads as strict_loads
+from ..errors import APIError
 
 FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
 INT32_MAX = 2 ** 31 - 1
@@ -172,20 +174,6 @@ _Validator = jsonschema.validators.extend(
     jsonschema.Draft202012Validator,
     type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
 _validator = _Validator(CHAT_REQUEST_SCHEMA)
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[Dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers  # extra response headers (Retry-After of a 503)
-
-    def body(self) -> Dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # ------------------------------------------------------------------ parsing

@@ -1,157 +1,42 @@
-"""Semantic Variables and semantic calls: one session's DAG and its executor
+"""A session's graph of Semantic Variables and semantic calls, and its executor
 (Parrot sections 4 and 5.1).
 
-A :class:`Variable` is a text value that may not exist yet; a :class:`Call`
-reads variables (its inputs) and writes variables (its outputs).  A call is
-either an LLM call -- a prompt template whose ``{{input:x}}`` placeholders
-are filled with variables' values and whose ``{{output:y}}`` placeholders
-are generated -- or a tool node running a registered plugin tool.  Linking
-calls by variables gives the server the application's data flow, so:
+Linking calls by variables (the nodes are in :mod:`.dag`) gives the server
+the application's data flow, so:
 
 * a call runs the moment its inputs have values (:meth:`SessionGraph._dispatch`),
   with no client round trip between dependent calls;
 * the criteria of fetched variables are turned into each call's scheduling
-  preference (:mod:`gateway.objectives`) and handed to the engine's ranking;
+  preference (:mod:`.objectives`) and handed to the engine's ranking;
 * calls whose prompts share a prefix fork one engine context
-  (:mod:`gateway.prefix_share`);
+  (:mod:`.prefix_share`);
 * a failure travels with the data: a failed call fails its outputs, and
   every call reading them, so ``get`` on any variable downstream returns
   the original error.
 
-Everything here runs on the gateway's event loop.  Submissions are checked
-completely (unknown variables, cycles, templates, sampling, transforms,
-limits) before anything is kept.
+Submitted bodies are read and checked completely by :mod:`.submit`
+(unknown variables, cycles, templates, sampling, transforms) and the
+session's limits here, before anything is kept.  Everything here runs on
+the gateway's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import logging
-import re
-import secrets
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
-from ...engine_ext.errors import EngineError, InvalidSampling
-from ...engine_ext.policies.objectives import OBJECTIVES
-from ...engine_ext.protocol import RequestHint, SamplingParams
+from ...engine_ext.errors import EngineError
+from ..errors import APIError, DependencyFailed, GatewayError, InvalidInput, engine_error
+from .dag import NAME, PLACEHOLDER, Call, Output, Variable, new_id
 from .objectives import CallNode, deduce
-from ..openai.wire import APIError
 from .prefix_share import Piece, PrefixStore, Shared, boundary_keys
 from .prompt import prompt_pieces
-from .transforms import Transform, TransformFailed, TransformSpecError
+from .submit import CallReader, link, unlink
+from .transforms import TransformFailed
 
 log = logging.getLogger(__name__)
-
-PLACEHOLDER = re.compile(r"\{\{\s*(input|output)\s*:\s*([A-Za-z_][A-Za-z0-9_]{0,63})\s*\}\}")
-NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
-OUTPUT_KEYS = {"variable", "name", "sampling", "transform", "criterion"}
-LLM_KEYS = {"model", "template", "messages", "inputs", "outputs", "chat"}
-ROLES = ("system", "developer", "user", "assistant")
-TOOL_KEYS = {"tool", "arguments", "inputs", "outputs"}
-
-
-def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(8)}"
-
-
-# ================================================================= variables
-@dataclass(eq=False)
-class Variable:
-    id: str
-    name: Optional[str] = None
-    value: Optional[str] = None
-    error: Optional[Dict[str, Any]] = None  # {"message", "call", "code"} of a failed producer
-    producer: Optional["Call"] = None
-    consumers: List["Call"] = field(default_factory=list)
-    criterion: Optional[str] = None
-    chunks: List[str] = field(default_factory=list)  # raw text as generated, for streaming gets
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def done(self) -> bool:
-        return self.value is not None or self.error is not None
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def push(self, delta: str) -> None:
-        if delta:
-            self.chunks.append(delta)
-            self._notify()
-
-    async def wait(self) -> None:
-        while not self.done:
-            await self._changed.wait()
-
-    async def deltas(self) -> AsyncIterator[str]:
-        """The producer's raw text as it is generated (what was generated
-        already first), until the variable is done."""
-        i = 0
-        while True:
-            while i < len(self.chunks):
-                i += 1
-                yield self.chunks[i - 1]
-            if self.done:
-                return
-            await self._changed.wait()
-
-    def describe(self) -> Dict[str, Any]:
-        return {"id": self.id, "name": self.name, "ready": self.value is not None, "failed": self.error is not None,
-                "producer": self.producer.id if self.producer else None, "criterion": self.criterion}
-
-
-# ===================================================================== calls
-@dataclass
-class Output:
-    var: Variable
-    sampling: Optional[SamplingParams]  # None for a tool node
-    transform: Optional[Transform]
-
-
-@dataclass(eq=False)
-class Call:
-    id: str
-    kind: str                                # "llm" or "tool"
-    inputs: Dict[str, Union[Variable, str]]  # placeholder -> variable or constant text
-    outputs: Dict[str, Output]               # placeholder -> output, in template order
-    model: Optional[str] = None
-    items: List[Tuple[str, str]] = field(default_factory=list)  # ("text", s) | ("input", n) | ("output", n)
-    chat: bool = False
-    # a chat prompt: (role, items) per message, rendered like /v1/chat/completions; ``items``
-    # then starts at the first output (the assistant's reply)
-    messages: Optional[List[Tuple[str, List[Tuple[str, str]]]]] = None
-    tool: Optional[str] = None
-    arguments: Any = None
-    state: str = "pending"  # pending -> running -> done | failed
-    error: Optional[Dict[str, Any]] = None
-    objective: Optional[str] = None
-    task_group: Optional[str] = None
-    missing: int = 0
-    task: Optional["asyncio.Task[None]"] = None
-    nbytes: int = 0
-    wanted: Any = None  # prefix keys it announced demand for and has not acquired yet
-
-    def input_vars(self) -> List[Variable]:
-        return [v for v in self.inputs.values() if isinstance(v, Variable)]
-
-    def hint(self) -> RequestHint:
-        return RequestHint(app="semantic", objective=self.objective, task_group=self.task_group)
-
-    def describe(self) -> Dict[str, Any]:
-        return {"id": self.id, "kind": self.kind, "state": self.state, "error": self.error,
-                "model": self.model, "tool": self.tool,
-                "inputs": {k: (v.id if isinstance(v, Variable) else {"value": v}) for k, v in self.inputs.items()},
-                "outputs": {k: o.var.id for k, o in self.outputs.items()},
-                "objective": self.objective, "task_group": self.task_group}
 
 
 @dataclass
@@ -209,8 +94,6 @@ class SessionGraph:
         self.closed = False
         self._ready: List[Call] = []
         self._dispatch_scheduled = False
-        self._groups = itertools.count()
-        self._batch: Optional[List[Call]] = None  # the calls of a batch being parsed
 
     # ----------------------------------------------------------- variables
     def variable(self, vid: Any, param: str = "variable") -> Variable:
@@ -239,13 +122,13 @@ class SessionGraph:
     def create_variable(self, name: Optional[str] = None, value: Optional[str] = None) -> Variable:
         self._check_open()
         if name is not None and (not isinstance(name, str) or not NAME.match(name)):
-            raise _bad("name must be 1-64 letters, digits or _.:-", "name")
+            raise InvalidInput("name must be 1-64 letters, digits or _.:-", param="name")
         if value is not None and not isinstance(value, str):
-            raise _bad("value must be a string", "value")
+            raise InvalidInput("value must be a string", param="value")
         self._check_count(1)
         if value is not None:
             self._charge(len(value.encode()))
-        var = Variable(_new_id("sv"), name, value)
+        var = Variable(new_id("sv"), name, value)
         self.variables[var.id] = var
         return var
 
@@ -253,7 +136,7 @@ class SessionGraph:
         self._check_open()
         var = self.variable(vid)
         if not isinstance(value, str):
-            raise _bad("value must be a string", "value")
+            raise InvalidInput("value must be a string", param="value")
         if var.producer is not None:
             raise APIError(409, f"variable {vid} is produced by call {var.producer.id}; it cannot be set",
                            code="variable_has_producer")
@@ -283,52 +166,14 @@ class SessionGraph:
         ``{"call": i, "output": name}``.  All or nothing: every call is
         checked (with its position in errors) before any is kept."""
         self._check_open()
-        if not isinstance(bodies, list) or not bodies:
-            raise _bad("calls must be a non-empty list of semantic calls", "calls")
-        calls: List[Call] = []
-        self._batch = calls if batch else None
-        try:
-            for i, body in enumerate(bodies):
-                try:
-                    if not isinstance(body, dict):
-                        raise _bad("the body must be a JSON object")
-                    if "tool" in body:
-                        calls.append(self._parse_tool(body))
-                    elif "template" in body or "messages" in body:
-                        calls.append(self._parse_llm(body))
-                    else:
-                        raise _bad("a semantic call needs a 'template' or 'messages' (an LLM call) or a 'tool' "
-                                   "(a tool node)")
-                except APIError as e:
-                    if batch:
-                        e.message, e.param = f"calls.{i}: {e.message}", f"calls.{i}" + (f".{e.param}" if e.param
-                                                                                        else "")
-                    raise
-        finally:
-            self._batch = None
+        calls = CallReader(self.variable, self.services, self.caller).read(bodies, batch)
         new_vars = {o.var.id: o.var for c in calls for o in c.outputs.values() if o.var.id not in self.variables}
         self._check_count(len(new_vars), len(calls))
-        linked: List[Call] = []
-        try:  # link one by one, so a cycle through an earlier call of the batch is seen
-            for i, call in enumerate(calls):
-                try:
-                    taken = next((o.var for o in call.outputs.values() if o.var.producer is not None), None)
-                    if taken is not None:
-                        raise APIError(409, f"the variable {taken.id} is already produced by another call",
-                                       param="outputs", code="variable_has_producer")
-                    self._check_cycle(call)
-                except APIError as e:
-                    if batch:
-                        e.message, e.param = f"calls.{i}: {e.message}", f"calls.{i}.{e.param}"
-                    raise
-                for o in call.outputs.values():
-                    o.var.producer = call
-                linked.append(call)
+        link(calls, batch)
+        try:
             self._charge(sum(c.nbytes for c in calls))
         except APIError:
-            for call in linked:
-                for o in call.outputs.values():
-                    o.var.producer = None
+            unlink(calls)
             raise
         # commit: nothing below raises
         self.variables.update(new_vars)
@@ -346,257 +191,6 @@ class SessionGraph:
             elif call.missing == 0:
                 self._make_ready(call)
         return calls
-
-    def _inputs(self, body: Dict[str, Any], names: List[str]) -> Dict[str, Union[Variable, str]]:
-        raw = body.get("inputs", {})
-        if not isinstance(raw, dict):
-            raise _bad("inputs must be an object: placeholder name -> variable id or {\"value\": text}", "inputs")
-        missing = [n for n in names if n not in raw]
-        if missing:
-            raise _bad(f"the template's input placeholder(s) {missing} have no binding in inputs", "inputs")
-        extra = sorted(set(raw) - set(names))
-        if extra:
-            raise _bad(f"inputs {extra} have no {{{{input:...}}}} placeholder in the template", "inputs")
-        out: Dict[str, Union[Variable, str]] = {}
-        for n in names:
-            b = raw[n]
-            if isinstance(b, str):
-                out[n] = self.variable(b, f"inputs.{n}")
-            elif isinstance(b, dict) and set(b) == {"value"} and isinstance(b["value"], str):
-                out[n] = b["value"]
-            elif isinstance(b, dict) and set(b) == {"call", "output"} and self._batch is not None:
-                out[n] = self._earlier_output(b, f"inputs.{n}")
-            else:
-                raise _bad(f"inputs.{n} must be a variable id or {{\"value\": text}}"
-                           + (" or {\"call\": i, \"output\": name} (an earlier call of the batch)"
-                              if self._batch is not None else ""), f"inputs.{n}")
-        return out
-
-    def _earlier_output(self, ref: Dict[str, Any], param: str) -> Variable:
-        i, name = ref["call"], ref["output"]
-        batch = self._batch or []
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(batch):
-            raise _bad(f"{param}: call must be the index of an earlier call of the batch (0..{len(batch) - 1})",
-                       param)
-        if name not in batch[i].outputs:
-            raise _bad(f"{param}: call {i} has no output {name!r} (it has {sorted(batch[i].outputs)})", param)
-        return batch[i].outputs[name].var
-
-    def _outputs(self, body: Dict[str, Any], names: List[str], llm: bool) -> Dict[str, Output]:
-        raw = body.get("outputs", {} if llm else None)
-        if not isinstance(raw, dict):
-            raise _bad("outputs must be an object: placeholder name -> output settings", "outputs")
-        if llm:
-            missing = [n for n in names if n not in raw]
-            extra = sorted(set(raw) - set(names))
-            if extra:
-                raise _bad(f"outputs {extra} have no {{{{output:...}}}} placeholder in the template", "outputs")
-        else:
-            missing = []
-            names = list(raw)
-            if len(names) != 1:
-                raise _bad("a tool node has exactly one output (its result)", "outputs")
-        out: Dict[str, Output] = {}
-        claimed = set()
-        for n in names:
-            spec = raw.get(n) if n not in missing else {}
-            where = f"outputs.{n}"
-            if spec is None:
-                spec = {}
-            if not isinstance(spec, dict):
-                raise _bad(f"{where} must be an object", where)
-            unknown = sorted(set(spec) - OUTPUT_KEYS)
-            if unknown:
-                raise _bad(f"{where}: unknown key(s) {unknown}; expected some of {sorted(OUTPUT_KEYS)}", where)
-            if "variable" in spec:
-                var = self.variable(spec["variable"], f"{where}.variable")
-                if var.producer is not None:
-                    raise APIError(409, f"variable {var.id} is already produced by call {var.producer.id}",
-                                   param=f"{where}.variable", code="variable_has_producer")
-                if var.done:
-                    raise APIError(409, f"variable {var.id} already has a value", param=f"{where}.variable",
-                                   code="variable_already_set")
-                if var.id in claimed:
-                    raise _bad(f"variable {var.id} is named by two outputs", f"{where}.variable")
-                claimed.add(var.id)
-            else:
-                name = spec.get("name", n)
-                if not isinstance(name, str) or not NAME.match(name):
-                    raise _bad(f"{where}.name must be 1-64 letters, digits or _.:-", f"{where}.name")
-                var = Variable(_new_id("sv"), name)
-            crit = spec.get("criterion")
-            if crit is not None and crit not in OBJECTIVES:
-                raise _bad(f"{where}.criterion must be one of {list(OBJECTIVES)}", f"{where}.criterion")
-            try:
-                transform = Transform.parse(spec.get("transform"), f"{where}.transform")
-            except TransformSpecError as e:
-                raise _bad(str(e), f"{where}.transform") from None
-            sampling = self._sampling(spec.get("sampling"), f"{where}.sampling") if llm else None
-            if "sampling" in spec and not llm:
-                raise _bad(f"{where}.sampling: a tool node does not sample", f"{where}.sampling")
-            if crit is not None and var.criterion != "latency":
-                var.criterion = crit
-            out[n] = Output(var, sampling, transform)
-        return out
-
-    def _sampling(self, spec: Any, where: str) -> SamplingParams:
-        spec = {} if spec is None else spec
-        if not isinstance(spec, dict):
-            raise _bad(f"{where} must be an object", where)
-        unknown = sorted(set(spec) - SAMPLING_KEYS)
-        if unknown:
-            raise _bad(f"{where}: unknown key(s) {unknown}; expected some of {sorted(SAMPLING_KEYS)}", where)
-        args = dict(spec)
-        args.setdefault("max_tokens", self.services.default_max_tokens)
-        for k in ("max_tokens", "top_k", "seed"):
-            if k in args and args[k] is not None and (isinstance(args[k], bool) or not isinstance(args[k], int)):
-                raise _bad(f"{where}.{k} must be an integer", f"{where}.{k}")
-        for k in ("temperature", "top_p"):
-            if k in args and (isinstance(args[k], bool) or not isinstance(args[k], (int, float))):
-                raise _bad(f"{where}.{k} must be a number", f"{where}.{k}")
-        stop = args.get("stop") or []
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or len(stop) > 8:
-            raise _bad(f"{where}.stop must be a string or a list of at most 8 strings", f"{where}.stop")
-        args["stop"] = tuple(stop)
-        try:
-            return SamplingParams(**args)
-        except InvalidSampling as e:
-            raise _bad(f"{where}: {e}", where) from None
-
-    def _parse_llm(self, body: Dict[str, Any]) -> Call:
-        unknown = sorted(set(body) - LLM_KEYS)
-        if unknown:
-            raise _bad(f"unknown key(s) {unknown} in an LLM call; expected some of {sorted(LLM_KEYS)}")
-        model = body.get("model")
-        if model is None:
-            raise _bad(f"model is required (one of {', '.join(self.services.models)})", "model")
-        if not isinstance(model, str) or model not in self.services.models:
-            raise APIError(404, f"the model {model!r} does not exist (available: "
-                                f"{', '.join(self.services.models)})", param="model", code="model_not_found")
-        chat = body.get("chat", False)
-        if not isinstance(chat, bool):
-            raise _bad("chat must be a boolean", "chat")
-        messages: Optional[List[Tuple[str, List[Tuple[str, str]]]]] = None
-        if "messages" in body:
-            if "template" in body or "chat" in body:
-                raise _bad("give either messages or template (with chat), not both", "messages")
-            messages, items, nbytes = self._parse_messages(body["messages"])
-        else:
-            template = body.get("template")
-            if not isinstance(template, str) or not template:
-                raise _bad("template must be a non-empty string", "template")
-            items, nbytes = self._parse_template(template, "template"), len(template.encode())
-            if chat:  # the text before the first output is a user turn; the outputs are the reply
-                first = next((i for i, (k, _) in enumerate(items) if k == "output"), len(items))
-                messages, items = [("user", items[:first])], items[first:]
-        names = [n for _, its in (messages or []) for k, n in its if k == "input"] + \
-            [n for k, n in items if k == "input"]
-        in_names = list(dict.fromkeys(names))
-        out_names = [n for k, n in items if k == "output"]
-        if not out_names:
-            raise _bad("the template has no {{output:name}} placeholder: nothing to generate", "template")
-        return Call(_new_id("call"), "llm", self._inputs(body, in_names), self._outputs(body, out_names, True),
-                    model=model, items=items, chat=chat, messages=messages, nbytes=nbytes)
-
-    @staticmethod
-    def _parse_template(template: str, param: str, seen: Optional[Dict[str, str]] = None) -> List[Tuple[str, str]]:
-        items: List[Tuple[str, str]] = []
-        last = 0
-        seen = {} if seen is None else seen
-        for m in PLACEHOLDER.finditer(template):
-            if m.start() > last:
-                items.append(("text", template[last:m.start()]))
-            kind, name = m.group(1), m.group(2)
-            if name in seen and (seen[name] != kind or kind == "output"):
-                raise _bad(f"placeholder {name!r} appears twice as an output or as both input and output", param)
-            seen[name] = kind
-            items.append((kind, name))
-            last = m.end()
-        if last < len(template):
-            items.append(("text", template[last:]))
-        return items
-
-    def _parse_messages(self, raw: Any) -> Tuple[List[Tuple[str, List[Tuple[str, str]]]], List[Tuple[str, str]], int]:
-        """``[{"role", "content"}, ..., {"role": "assistant", "content": "{{output:NAME}}"}]``:
-        the prompt as chat messages (input placeholders in any content), and the reply to generate."""
-        if not isinstance(raw, list) or len(raw) < 2:
-            raise _bad("messages must be a list of {role, content} objects, the last one "
-                       "{\"role\": \"assistant\", \"content\": \"{{output:NAME}}\"}", "messages")
-        out: List[Tuple[str, List[Tuple[str, str]]]] = []
-        seen: Dict[str, str] = {}
-        nbytes = 0
-        for i, m in enumerate(raw):
-            where = f"messages.{i}"
-            if not isinstance(m, dict) or set(m) != {"role", "content"}:
-                raise _bad(f"{where} must be an object with exactly 'role' and 'content'", where)
-            if m["role"] not in ROLES:
-                raise _bad(f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
-            if not isinstance(m["content"], str):
-                raise _bad(f"{where}.content must be a string (a template)", f"{where}.content")
-            nbytes += len(m["content"].encode())
-            out.append((m["role"], self._parse_template(m["content"], f"{where}.content", seen)))
-        role, reply = out.pop()
-        if role != "assistant" or len(reply) != 1 or reply[0][0] != "output":
-            raise _bad("the last message must be {\"role\": \"assistant\", \"content\": \"{{output:NAME}}\"}: "
-                       "the reply to generate", f"messages.{len(raw) - 1}")
-        for i, (_, items) in enumerate(out):
-            if any(k == "output" for k, _ in items):
-                raise _bad("an output placeholder may only be the last (assistant) message", f"messages.{i}.content")
-        return out, reply, nbytes
-
-    def _parse_tool(self, body: Dict[str, Any]) -> Call:
-        unknown = sorted(set(body) - TOOL_KEYS)
-        if unknown:
-            raise _bad(f"unknown key(s) {unknown} in a tool node; expected some of {sorted(TOOL_KEYS)}")
-        name = body["tool"]
-        runtime = self.services.runtime
-        tools = runtime.tools if runtime is not None else {}
-        if not isinstance(name, str) or name not in tools or not tools[name].enabled:
-            raise APIError(404, f"no enabled tool {name!r} (see GET /v1/plugins)", param="tool", code="unknown_tool")
-        if not self.services.may_use_tool(self.caller, name):
-            raise APIError(403, f"this session's API key may not run the server-side tool {name!r} (the "
-                                "configuration grants tools per key: server.api_keys[].server_tools)",
-                           "permission_error", param="tool", code="permission_denied")
-        args = body.get("arguments", {})
-        if not isinstance(args, dict):
-            raise _bad("arguments must be a JSON object", "arguments")
-        names: List[str] = []
-
-        def scan(node: Any) -> None:
-            if isinstance(node, str):
-                for m in PLACEHOLDER.finditer(node):
-                    if m.group(1) != "input":
-                        raise _bad("a tool node's arguments may only hold {{input:...}} placeholders", "arguments")
-                    names.append(m.group(2))
-            elif isinstance(node, dict):
-                for v in node.values():
-                    scan(v)
-            elif isinstance(node, list):
-                for v in node:
-                    scan(v)
-
-        scan(args)
-        return Call(_new_id("call"), "tool", self._inputs(body, list(dict.fromkeys(names))),
-                    self._outputs(body, [], False), tool=name, arguments=args,
-                    nbytes=len(json.dumps(args).encode()))
-
-    def _check_cycle(self, call: Call) -> None:
-        """The new call closes a cycle if one of its outputs is upstream of one of its inputs."""
-        outs = {o.var.id for o in call.outputs.values()}
-        seen = set()
-        todo = list(call.input_vars())
-        while todo:
-            v = todo.pop()
-            if v.id in outs:
-                raise _bad(f"this call would close a cycle: its output variable {v.id} is upstream of its own "
-                           "inputs", "outputs", code="cycle")
-            if v.id in seen:
-                continue
-            seen.add(v.id)
-            if v.producer is not None:
-                todo += v.producer.input_vars()
 
     # ------------------------------------------------------------ execution
     def _make_ready(self, call: Call) -> None:
@@ -654,10 +248,11 @@ class SessionGraph:
             self._fail(call, {"message": "the session was closed while the call ran", "call": call.id,
                               "code": "session_closed"})
             raise
-        except APIError as e:
+        except (GatewayError, APIError) as e:
             self._fail(call, {"message": e.message, "call": call.id, "code": e.code})
-        except EngineError as e:
-            self._fail(call, {"message": f"engine error: {e}", "call": call.id, "code": type(e).__name__})
+        except EngineError as e:  # mapped as the chat route maps it; the call's error keeps message and code
+            err = engine_error(e)
+            self._fail(call, {"message": err.message, "call": call.id, "code": err.code})
         except TransformFailed as e:
             self._fail(call, {"message": f"transform failed: {e}", "call": call.id, "code": "transform_failed"})
         except Exception as e:  # noqa: BLE001  (logged; the client gets the call's error)
@@ -748,8 +343,8 @@ class SessionGraph:
 
         result = await self.services.runtime.run(call.tool, render(call.arguments), call_id=call.id)
         if not result.ok:
-            raise APIError(424, f"tool {call.tool!r} failed: {result.error_type}: {result.error}",
-                           code="tool_failed")
+            raise DependencyFailed(f"tool {call.tool!r} failed: {result.error_type}: {result.error}",
+                                   code="tool_failed")
         (out,) = call.outputs.values()
         raw = result.to_text()
         out.var.push(raw)

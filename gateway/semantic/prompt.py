@@ -1,6 +1,6 @@
 """A semantic call's prompt as token ids, cut at its variable boundaries.
 
-Prefix sharing (:mod:`gateway.prefix_share`) needs a call's prompt as
+Prefix sharing (:mod:`.prefix_share`) needs a call's prompt as
 *pieces* ending at variable boundaries, so equal prefixes can be found by
 hashing.  Tokenizing each piece on its own would be simplest, but BPE does
 not split text at arbitrary points: ``"about "`` then ``"cats"`` gives other
@@ -14,7 +14,7 @@ straddles a boundary belongs to the next piece).  Pieces are keyed by their
 ids, so whatever the cut, two calls share only token-for-token equal
 prefixes.
 
-Chat prompts are rendered by :func:`gateway.chat.render_text`, the chat
+Chat prompts are rendered by :func:`gateway.prompt.render_text`, the chat
 endpoint's own renderer; the boundaries are found by rendering once more
 with marker characters around each variable's value.  A chat template that
 changes the content (trimming it, escaping it) moves the markers; then the

@@ -12,7 +12,10 @@
                                                      or {"calls": [...]}: a batch, all or nothing
     GET    /v1/sessions/{sid}/calls/{cid}            a call's state, error and deduced objective
 
-Every route but the first authenticates with the session's token.
+Every route but the first authenticates with the session's token; those
+are mounted under ``/v1/sessions`` (a Starlette ``Mount``).  Errors are raised,
+never answered here: the handlers registered once in ``create_app``
+(gateway/errors.py) shape them.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable, List
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Mount, Route
 
 from ...engine_ext.policies.objectives import OBJECTIVES
 from .. import http_guard as guard_
-from ..http_guard import ClientGone
-from ..openai.wire import APIError, parse_json, sse
-from .graph import Variable
+from ..errors import APIError
+from ..http_guard import until_disconnected
+from ..openai.wire import parse_json, sse
+from .dag import Variable
 from .sessions import Session
 
 
@@ -47,24 +51,16 @@ def _timed_out(var: Variable, timeout: Any) -> APIError:
     return APIError(408, f"variable {var.id} has no value after {timeout} s; ask again", code="timeout")
 
 
-def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], None]) -> List[Route]:
+def build_routes(gw: Any, config: Any) -> List[BaseRoute]:
     """The routes, bound to the gateway ``gw`` (its ``sessions`` store is made at start-up)."""
 
-    def handle(fn: Callable[..., Awaitable[Response]], *, with_session: bool = True):
-        async def wrapped(request: Request) -> Response:
-            try:
-                if not with_session:
-                    return await fn(request)
-                s = gw.sessions.authorize(request, request.path_params["sid"])
-                with s.in_use():
-                    return await fn(request, s)
-            except APIError as e:
-                metrics_label(request, e.status)
-                return JSONResponse(e.body(), status_code=e.status)
-            except ClientGone:
-                metrics_label(request, 499)
-                return Response(status_code=499)
-        return wrapped
+    def in_session(fn: Callable[[Request, Session], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """The route with its session: the token checked, the session held in use while it runs."""
+        async def route(request: Request) -> Response:
+            s = gw.sessions.authorize(request, request.path_params["sid"])
+            with s.in_use():
+                return await fn(request, s)
+        return route
 
     async def body_of(request: Request, optional: bool = False) -> Any:
         raw = await guard_.read_body(request, config.max_request_bytes)
@@ -88,7 +84,7 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
         if "calls" in body:  # a whole DAG with the session, in one round trip; nothing kept if it is refused
             try:
                 out["calls"] = [_call_json(c) for c in s.graph.submit_many(body["calls"])]
-            except APIError:
+            except Exception:
                 await gw.sessions.delete(s)
                 raise
         return JSONResponse(out, status_code=201)
@@ -139,8 +135,6 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
         if stream in ("true", "1"):
             return StreamingResponse(_stream(s, var, timeout), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        from ..app import until_disconnected  # the app module imports this one
-
         async def wait() -> None:
             try:
                 if timeout == 0 and not var.done:
@@ -190,13 +184,16 @@ def build_routes(gw: Any, config: Any, metrics_label: Callable[[Request, int], N
             raise APIError(404, f"no call {cid!r} in this session", param="call", code="call_not_found")
         return JSONResponse(call.describe())
 
+    # POST /v1/sessions stays beside the mount: a Mount matches only the paths below it
     return [
-        Route("/v1/sessions", handle(create_session, with_session=False), methods=["POST"]),
-        Route("/v1/sessions/{sid}", handle(session_info), methods=["GET"]),
-        Route("/v1/sessions/{sid}", handle(delete_session), methods=["DELETE"]),
-        Route("/v1/sessions/{sid}/variables", handle(create_variable), methods=["POST"]),
-        Route("/v1/sessions/{sid}/variables/{vid}", handle(set_variable), methods=["PUT"]),
-        Route("/v1/sessions/{sid}/variables/{vid}", handle(get_variable), methods=["GET"]),
-        Route("/v1/sessions/{sid}/calls", handle(submit_call), methods=["POST"]),
-        Route("/v1/sessions/{sid}/calls/{cid}", handle(call_info), methods=["GET"]),
+        Route("/v1/sessions", create_session, methods=["POST"]),
+        Mount("/v1/sessions", routes=[
+            Route("/{sid}", in_session(session_info), methods=["GET"]),
+            Route("/{sid}", in_session(delete_session), methods=["DELETE"]),
+            Route("/{sid}/variables", in_session(create_variable), methods=["POST"]),
+            Route("/{sid}/variables/{vid}", in_session(set_variable), methods=["PUT"]),
+            Route("/{sid}/variables/{vid}", in_session(get_variable), methods=["GET"]),
+            Route("/{sid}/calls", in_session(submit_call), methods=["POST"]),
+            Route("/{sid}/calls/{cid}", in_session(call_info), methods=["GET"]),
+        ]),
     ]

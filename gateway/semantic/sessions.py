@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, Optional
 
 from starlette.requests import Request
 
-from ..openai.wire import APIError
+from ..errors import APIError
 from .graph import Limits, Services, SessionGraph
 from ..config import SessionsConfig
 from ..http_guard import bearer_token

@@ -1,0 +1,205 @@
+"""The OpenAI chat-completions route, and the answer it makes of the agent
+loop's events: one ``chat.completion`` object (:func:`collect`) or a stream of
+``chat.completion.chunk`` events (:func:`stream_chunks`).
+
+The route validates (wire.py), plans (plan.py) and runs the loop
+(completions.py); errors are raised, never answered here (gateway/errors.py
+shapes them).  A streamed answer starts only once the loop's first event is
+there, so everything that can go wrong before it (a context too long, an
+engine that refuses the sampling) is still an HTTP error; after the first
+byte, an error is an event in OpenAI's shape followed by ``[DONE]``.
+:func:`collect` and :func:`stream_chunks` take the metrics they count
+requests and tokens in, not the gateway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ...engine_ext.errors import EngineError
+from .. import http_guard as guard_
+from ..errors import APIError, engine_error
+from ..http_guard import until_disconnected
+from ..metrics import Metrics
+from . import wire as api
+from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
+from .plan import build_plan
+
+log = logging.getLogger(__name__)
+
+
+def build_routes(gw: Any, config: Any) -> List[Route]:
+    """The route, bound to the gateway ``gw`` (its models and tool runtime are made at start-up)."""
+
+    async def chat_completions(request: Request) -> Response:
+        caller = guard_.authenticate(config, request)
+        guard_.require_json(request)
+        body = api.parse_json(await guard_.read_body(request, config.max_request_bytes))
+        body = api.validate_chat_request(body)
+        model = gw.models.get(body["model"])
+        if model is None:
+            raise APIError(404, f"the model {body['model']!r} does not exist (available: "
+                                f"{', '.join(gw.models)})", param="model", code="model_not_found")
+        tools = gw.runtime.tools if gw.runtime else {}
+        guard_.authorize(config, caller, body, [n for n, t in tools.items() if t.enabled])
+        plan = build_plan(model, body, available_tools=tools, default_max_tokens=config.default_max_tokens,
+                          max_tool_rounds=config.max_tool_rounds, caller=caller.name if caller else None)
+        events = run_completion(model, plan, gw.runtime, gw.metrics)
+        if not body.get("stream"):
+            return JSONResponse(await until_disconnected(request, collect(gw.metrics, model, plan, events)))
+        # Start generating before the response does: an error up to the first event (a context
+        # too long, an engine that refuses the sampling) is still an HTTP error, not a broken stream.
+        try:
+            first = await until_disconnected(request, _first_event(events))
+        except BaseException:
+            await events.aclose()
+            raise
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return ClosingStreamingResponse(stream_chunks(gw.metrics, model, events, first, include_usage),
+                                        on_close=events.aclose, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return [Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+
+
+async def _first_event(events: AsyncIterator[Any]) -> Any:
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+    except EngineError as e:
+        raise engine_error(e) from e
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes the completion it streams however it ends --
+    even when the client is gone before the body iterator ever ran (which would
+    otherwise leave the context to the garbage collector)."""
+
+    def __init__(self, content: Any, on_close: Callable[[], Awaitable[None]], **kw: Any):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+async def collect(metrics: Metrics, model: Any, plan: CompletionPlan, events: Any) -> Dict[str, Any]:
+    """The whole completion as one ``chat.completion`` object."""
+    content: List[str] = []
+    calls: Dict[int, Dict[str, Any]] = {}
+    results: List[Dict[str, Any]] = []
+    logprobs: List[Dict[str, Any]] = []
+    finish: Optional[Finish] = None
+    try:
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                if isinstance(ev, Content):
+                    content.append(ev.text)
+                elif isinstance(ev, TokenLogprob):
+                    logprobs.append(_logprob_entry(ev))
+                elif isinstance(ev, CallStart) and not ev.server:
+                    calls[ev.index] = {"id": ev.id, "type": "function",
+                                       "function": {"name": ev.name, "arguments": ""}}
+                elif isinstance(ev, CallArgs) and not ev.server and ev.index in calls:
+                    calls[ev.index]["function"]["arguments"] += ev.fragment
+                elif isinstance(ev, ServerToolResult):
+                    results.append(ev.to_dict())
+                elif isinstance(ev, Finish):
+                    finish = ev
+    except EngineError as e:
+        raise engine_error(e) from e
+    if finish is None:
+        raise APIError(500, "the completion ended without a finish event", "server_error", code="internal_error")
+    metrics.request("/v1/chat/completions", model.name, 200)
+    metrics.usage(model.name, finish.usage)
+    message: Dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    out = {"id": api.completion_id(), "object": "chat.completion", "created": api.now(), "model": model.name,
+           "choices": [{"index": 0, "message": message, "finish_reason": finish.reason,
+                        "logprobs": {"content": logprobs, "refusal": None} if plan.sampling.logprobs else None}],
+           "usage": finish.usage}
+    if results:
+        out["interlace"] = {"tool_calls": results}
+    return out
+
+
+def _logprob_entry(ev: TokenLogprob) -> Dict[str, Any]:
+    return {"token": ev.text, "logprob": ev.logprob, "bytes": list(ev.text.encode()), "top_logprobs": []}
+
+
+async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+        async for ev in events:
+            yield ev
+
+
+async def stream_chunks(metrics: Metrics, model: Any, events: Any, first_event: Any,
+                        include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events of one completion whose first event is already known.
+    Whatever goes wrong after the first byte, the client gets an error event in
+    OpenAI's shape and then ``[DONE]`` -- never a connection that just stops."""
+    cid, created, name = api.completion_id(), api.now(), model.name
+    t0 = time.perf_counter()
+    first = True
+    pending_logprobs: List[Dict[str, Any]] = []
+    yield api.sse(api.chunk(cid, name, created, {"role": "assistant", "content": ""}))
+    try:
+        async with contextlib.aclosing(events):
+            async for ev in _chain(first_event, events):
+                if first and isinstance(ev, (Content, CallStart)):
+                    metrics.ttft.labels(name).observe(time.perf_counter() - t0)
+                    first = False
+                if isinstance(ev, TokenLogprob):
+                    pending_logprobs.append(_logprob_entry(ev))
+                elif isinstance(ev, Content):
+                    c = api.chunk(cid, name, created, {"content": ev.text})
+                    if pending_logprobs:
+                        c["choices"][0]["logprobs"] = {"content": pending_logprobs, "refusal": None}
+                        pending_logprobs = []
+                    yield api.sse(c)
+                elif isinstance(ev, CallStart):
+                    if ev.server:
+                        yield api.sse(api.chunk(cid, name, created, {}, interlace={
+                            "tool_call_start": {"index": ev.index, "id": ev.id, "name": ev.name}}))
+                    else:
+                        yield api.sse(api.chunk(cid, name, created, {"tool_calls": [{
+                            "index": ev.index, "id": ev.id, "type": "function",
+                            "function": {"name": ev.name, "arguments": ""}}]}))
+                elif isinstance(ev, CallArgs):
+                    if ev.server:
+                        yield api.sse(api.chunk(cid, name, created, {}, interlace={
+                            "tool_call_arguments": {"index": ev.index, "fragment": ev.fragment}}))
+                    else:
+                        yield api.sse(api.chunk(cid, name, created, {"tool_calls": [{
+                            "index": ev.index, "function": {"arguments": ev.fragment}}]}))
+                elif isinstance(ev, ServerToolResult):
+                    yield api.sse(api.chunk(cid, name, created, {}, interlace={"tool_result": ev.to_dict()}))
+                elif isinstance(ev, Finish):
+                    metrics.request("/v1/chat/completions", name, 200)
+                    metrics.usage(name, ev.usage)
+                    yield api.sse(api.chunk(cid, name, created, {}, ev.reason))
+                    if include_usage:
+                        yield api.sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                       "model": name, "choices": [], "usage": ev.usage})
+    except Exception as e:  # noqa: BLE001  (reported to the client, logged with its traceback)
+        err = engine_error(e) if isinstance(e, EngineError) else APIError(
+            500, f"internal server error ({type(e).__name__}) while streaming; the gateway's log has the details",
+            "server_error", code="internal_error")
+        if err.status >= 500:
+            log.exception("streaming completion failed")
+        metrics.request("/v1/chat/completions", name, err.status)
+        yield api.sse(err.body())
+    yield b"data: [DONE]\n\n"
