@@ -1,16 +1,13 @@
-import asyncio
-import sys
-from pathlib import Path
+"""The suite's shared fixtures (models, a block zoo, a loaded engine).  Modules the tests import
+and programs they start live in the ``helpers`` package beside this file (tests/helpers/)."""
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """Tiny random Llama / Qwen2 / Qwen3 checkpoints and their HF reference models."""
-    from tiny_models import CONFIGS, make_tiny_model
+    from helpers.tiny_models import CONFIGS, make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     return {k: (root / k, make_tiny_model(k, root / k, seed=i)) for i, k in enumerate(CONFIGS)}
@@ -47,7 +44,3 @@ def smol_engine(smol_dir):
     eng = NativeEngine.load(smol_dir, kv_cache_tokens=8192)
     yield eng
     eng.close()
-
-
-def run(coro):
-    return asyncio.run(coro)

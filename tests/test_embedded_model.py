@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run
+from helpers import run
 from interlace.engine_ext.protocol import SamplingParams
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that adds two numbers.",

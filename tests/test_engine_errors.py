@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import run
+from helpers import run
 from interlace.engine_ext import errors as E
 from interlace.engine_ext.native.engine import NativeEngine
 from interlace.engine_ext.protocol import PauseHint, SamplingParams

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from conftest import run
+from helpers import run
 from interlace.engine_ext import errors as E
 from interlace.engine_ext.native.engine import NativeEngine
 from interlace.engine_ext.policies import Fixed, Handling, Profile, make_interception, make_ranking

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from conftest import run
+from helpers import run
 from interlace.engine_ext.native.engine import NativeEngine
 
 KINDS = ["llama", "qwen2", "qwen3", "mistral"]

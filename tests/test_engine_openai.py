@@ -28,7 +28,7 @@ import pytest_asyncio
 from interlace.engine_ext import errors as E
 from interlace.engine_ext.protocol import SamplingParams, TokenEvent
 
-from gateway_server import free_port
+from helpers.gateway_server import free_port
 
 pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")

@@ -2,7 +2,7 @@
 tokenizer): held-back stop-string prefixes around a pause, and special
 tokens with ``skip_special_tokens``."""
 
-from conftest import run
+from helpers import run
 from interlace.engine_ext.constraints.forced import ForcedOutput
 from interlace.engine_ext.protocol import SamplingParams
 

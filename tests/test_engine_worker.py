@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from conftest import run
+from helpers import run
 from interlace.engine_ext import errors as E
 from interlace.engine_ext.constraints.forced import ForcedOutput
 from interlace.engine_ext.native.setup import build_native_engine

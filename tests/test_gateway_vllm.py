@@ -14,7 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh --test
 
 import openai  # noqa: E402
 
-from gateway_server import LiveGateway  # noqa: E402
+from helpers.gateway_server import LiveGateway  # noqa: E402
 
 KEY = "sk-vllm-test"
 VLLM = {"kind": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_space_gb": 1, "max_model_len": 2048}

@@ -58,7 +58,7 @@ from pydantic import BaseModel, Field
 
 from interlace.sdk import (APIConnectionError, APITimeoutError, AuthenticationError, BadRequestError,
                            InterlaceError, NotFoundError, ServerError)
-from gateway_server import serve_subprocess
+from helpers.gateway_server import serve_subprocess
 from interlace.sdk.langchain import chat_model
 from interlace.sdk.langchain.chat_model import ChatInterlace
 

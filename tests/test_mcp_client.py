@@ -1,5 +1,5 @@
 """MCP servers as tool providers (gateway/mcp/client.py), against the small MCP
-server in tests/mcp_test_server.py run over stdio and over streamable HTTP."""
+server in tests/helpers/mcp_test_server.py run over stdio and over streamable HTTP."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ import openai
 import psutil
 import pytest
 
-from gateway_server import LiveGateway, free_port
+from helpers.gateway_server import LiveGateway, free_port
 
 from interlace.gateway.config import ConfigError, McpServerSpec, may_use_tool, parse_config
 from interlace.gateway.mcp.client import McpHub
 from interlace.gateway.tools.runtime import ToolRuntime
 from interlace.gateway.tools.base import InvalidToolArguments, ToolCrashed, ToolError, ToolUnavailable
 
-SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
+SERVER = str(Path(__file__).parent / "helpers" / "mcp_test_server.py")
 MODEL = {"m": {"path": "embedded", "kv_cache_tokens": 8192, "dtype": "float32"}}
 
 
@@ -419,7 +419,7 @@ def test_gateway_client_gone_mid_call_frees_the_request(live):
     """A streaming client that disconnects while an MCP call runs: the call is
     cancelled on the server too, the engine context freed, and the next request
     is served at once."""
-    from gateway_server import wait_idle
+    from helpers.gateway_server import wait_idle
 
     slow = '<tool_call>\n{"name": "t.slow", "arguments": {"seconds": 30}}\n</tool_call>'
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True,

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from gateway_server import LiveGateway
+from helpers.gateway_server import LiveGateway
 from interlace import Granularity, Tool, Veto, hookimpl
 
 SECRET = "sk-alice-secret"

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway_server import LiveGateway
+from helpers.gateway_server import LiveGateway
 from interlace.engine_ext.errors import ContextNotFound
 from interlace.gateway.config import RetentionSpec
 from interlace.gateway.openai.retention import RetentionStore

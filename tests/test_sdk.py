@@ -23,7 +23,7 @@ from interlace.sdk import (APIConnectionError, AsyncClient, AuthenticationError,
                            ConflictError, GetTimeoutError, Input, InterlaceError, NoSessionError, NotFoundError,
                            Output, PermissionDeniedError, ProducerFailedError, SemanticVariable, ServerError,
                            SessionLimitError, semantic_function)
-from gateway_server import serve_subprocess
+from helpers.gateway_server import serve_subprocess
 from interlace.sdk._wire import sse_events
 from interlace.sdk.spec import to_server_template
 

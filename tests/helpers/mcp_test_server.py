@@ -1,6 +1,6 @@
 """A small MCP server for the tests, written with the official SDK's ``MCPServer``.
 
-Run as ``python tests/mcp_test_server.py [stdio | http PORT]``.  Its tools:
+Run as ``python tests/helpers/mcp_test_server.py [stdio | http PORT]``.  Its tools:
 
 * ``echo(text)`` -- returns the text;
 * ``slow(seconds)`` -- sleeps, then says how long (a tool worth starting early);
