@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Hashable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, AsyncIterator, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, runtime_checkable
 
 from .errors import InvalidSampling
 
@@ -156,9 +156,19 @@ class RequestHint:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the gateway needs from an engine.  All methods are coroutines
-    (``generate`` returns an async iterator) and are safe to call concurrently
-    from one event loop."""
+    """Everything the gateway needs from an engine, and nothing else: the
+    gateway's seams are typed with it, so a member it calls is listed here.
+    The commands are coroutines (``generate`` returns an async iterator) and
+    are safe to call concurrently from one event loop; the few plain methods
+    say why they need not wait."""
+
+    #: the model's tokenizer (:class:`~interlace.engine_ext.tokenizer.Tokenizer`): the gateway
+    #: renders prompts and counts tokens with it
+    tokenizer: Any
+    #: the longest context the engine holds (prompt and generated tokens)
+    max_model_len: int
+    #: logits' width (the grammar masks are built for it)
+    vocab_size: int
 
     async def fill(self, context_id: ContextId, token_ids: Sequence[int],
                    parent_context_id: Optional[ContextId] = None, hint: Optional[RequestHint] = None) -> int:
@@ -218,4 +228,26 @@ class Engine(Protocol):
         out): what a follow-up extending it would not prefill again.  An
         engine that keeps KV in a prefix cache of whole blocks only (the
         vLLM engines: ``whole_blocks_only = True``) counts its whole blocks."""
+        ...
+
+    async def context_tokens(self, context_id: ContextId) -> List[int]:
+        """The context's token ids (prompt and generated), e.g. for a
+        follow-up to find how much of a new prompt the context already holds."""
+        ...
+
+    def free_context_nowait(self, context_id: ContextId) -> None:
+        """:meth:`free_context` without waiting for it: for cleanup paths
+        (a cancelled request, a session's end) that must not block or fail.
+        Ignored if the context is gone."""
+        ...
+
+    def load_stats(self) -> Dict[str, Any]:
+        """The engine's load now, read without waiting: ``kv_blocks_used``,
+        ``kv_blocks_total``, ``queued_tokens``, ``running``, ``waiting`` and
+        ``contexts`` (metrics, replica routing)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the engine and release what it holds (threads, processes,
+        device memory); commands after it raise ``EngineClosed``."""
         ...

@@ -52,12 +52,9 @@ STATS_KEYS = ("kv_blocks_used", "kv_blocks_total", "queued_tokens", "running", "
 def engine_stats(engine: Any) -> Optional[Dict[str, int]]:
     """An engine's load now (``kv_blocks_used``, ``kv_blocks_total``,
     ``queued_tokens``, ``running``, ``waiting``, maybe more), read without
-    waiting: its ``load_stats()`` (the native engine's name, whose ``stats``
-    attribute is a dict of counters) or ``stats()`` method; None for an
-    engine that has neither, or whose method fails."""
+    waiting: its :meth:`~interlace.engine_ext.protocol.Engine.load_stats`;
+    None for an object without it, or whose method fails."""
     fn = getattr(engine, "load_stats", None)
-    if not callable(fn):
-        fn = getattr(engine, "stats", None)
     if not callable(fn):
         return None
     try:
@@ -327,7 +324,7 @@ class ReplicaSet:
         """Whether any replica may take new contexts."""
         return not self._closed and any(self._check(r) for r in self.replicas)
 
-    def stats(self) -> Dict[str, int]:
+    def load_stats(self) -> Dict[str, int]:
         """:func:`engine_stats` summed over the live replicas (a dead one's
         KV no longer counts, in use or in all); ``contexts`` counts the
         contexts the set routes."""

@@ -408,7 +408,7 @@ class ProcessEngine:
 
         return torch.from_numpy(arr)
 
-    def stats(self) -> Dict[str, int]:
+    def load_stats(self) -> Dict[str, int]:
         """The worker's load, without waiting: ``kv_blocks_used``,
         ``kv_blocks_total``, ``queued_tokens``, ``running``, ``waiting``
         (and ``contexts``), as :meth:`NativeEngine.load_stats` counts them
@@ -418,11 +418,8 @@ class ProcessEngine:
         self._check()
         return dict(self._stats)
 
-    #: the name :func:`~interlace.engine_ext.replicas.engine_stats` looks for first
-    load_stats = stats
-
     async def fetch_stats(self) -> Dict[str, int]:
-        """The worker's load now (a round trip), as :meth:`stats` counts it."""
+        """The worker's load now (a round trip), as :meth:`load_stats` counts it."""
         stats = await self._call("stats")
         self._stats = stats
         return dict(stats)

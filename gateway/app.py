@@ -39,7 +39,7 @@ from .config import GatewayConfig, ModelSpec, may_use_tool
 from .errors import exception_handlers
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .models import ModelServer, load_engine, zoo_engine_specs
-from .openai.retention import RetentionStore
+from .retention import RetentionStore
 from .openai.routes import build_routes as openai_routes
 from .openapi import openapi_document
 from .semantic.graph import Services

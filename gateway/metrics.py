@@ -3,13 +3,16 @@ in one process -- tests -- do not collide)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the route)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine_ext.replicas import engine_stats
+
+if TYPE_CHECKING:  # the seams' types (imports for annotations only)
+    from ..engine_ext.protocol import Engine
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -32,7 +35,7 @@ class Metrics:
         # per engine replica (engine_ext/replicas.py; an engine alone is replica "0"), read at scrape time
         self.replicas = ReplicaCollector()
         r.register(self.replicas)
-        # client-side tool calls: contexts retained for the follow-up request (gateway/openai/retention.py)
+        # client-side tool calls: contexts retained for the follow-up request (gateway/retention.py)
         self.retention_hits = Counter("interlace_retention_hits", "Requests that adopted a retained context",
                                       ["model"], registry=r)
         self.retention_misses = Counter("interlace_retention_misses", "Requests with no retained context to adopt",
@@ -55,7 +58,7 @@ class Metrics:
             "interlace_semantic_prompt_tokens", "Prompt tokens of semantic calls: filled, or forked from a shared "
             "prefix context instead", ["model", "kind"], registry=r)
 
-    def watch_engine(self, model: str, engine: Any) -> None:
+    def watch_engine(self, model: str, engine: Engine) -> None:
         """KV blocks of ``model``'s engine (all its live replicas) and its per-replica metrics,
         read from the engine's load stats when scraped."""
         self.kv_blocks.labels(model).set_function(lambda: _stat(engine, "kv_blocks_used"))

@@ -20,13 +20,21 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from ..engine_ext.native.options import LOAD_KEYS
 from ..engine_ext.native.setup import ZOO_PREFIX
 from ..engine_ext.policies import OutputLengths, ToolDurations
 from .config import ConfigError, GatewayConfig, ModelSpec, engine_dict
-from .openai.retention import RetentionStore
+from .retention import RetentionStore
+
+if TYPE_CHECKING:  # the seams' types (imports for annotations only)
+    from ..engine_ext.constraints.grammar import GrammarCompiler
+    from ..engine_ext.policies import PolicySpec
+    from ..engine_ext.protocol import Engine
+    from ..engine_ext.tokenizer import Tokenizer
+    from ..parsers.base import StreamingParser
+    from ..parsers.formats import ToolFormat
 
 log = logging.getLogger(__name__)
 
@@ -37,23 +45,23 @@ class ModelServer:
 
     name: str
     spec: ModelSpec
-    engine: Any
-    parser_factory: Callable[[], Any]
+    engine: Engine
+    parser_factory: Callable[[], StreamingParser]
     created: int = field(default_factory=lambda: int(time.time()))
     _grammar: Any = None
     #: tool call durations, shared with the engine's interception policy (the engine observes them)
-    durations: Any = field(default_factory=ToolDurations)
+    durations: ToolDurations = field(default_factory=ToolDurations)
     #: tokens a segment (to the next tool call or the end) produces, per application (LAMPS' predictor)
-    lengths: Any = field(default_factory=OutputLengths)
+    lengths: OutputLengths = field(default_factory=OutputLengths)
     #: finished chat contexts kept across client-side tool calls (None: retention is off)
     retention: Optional[RetentionStore] = None
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property
-    def tool_format(self) -> Any:
+    def tool_format(self) -> ToolFormat:
         """The tool-call format its parser owns (``format``, checked when the parser was registered)."""
         return self.parser_factory.format
 
@@ -61,10 +69,10 @@ class ModelServer:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def new_parser(self) -> Any:
+    def new_parser(self) -> StreamingParser:
         return self.parser_factory()
 
-    def grammar(self) -> Any:
+    def grammar(self) -> GrammarCompiler:
         if self._grammar is None:
             from ..engine_ext.constraints.grammar import GrammarCompiler
 
@@ -124,7 +132,7 @@ def zoo_engine_specs(cfg: GatewayConfig) -> Dict[str, ModelSpec]:
     return out
 
 
-def load_engine(spec: ModelSpec) -> Any:
+def load_engine(spec: ModelSpec) -> Engine:
     """The model's engine: one engine per replica (``spec.replicas``), each
     built by its kind with the model's policies; several are put behind one
     :class:`~interlace.engine_ext.replicas.ReplicaSet`.  If one fails to
@@ -150,7 +158,7 @@ def load_engine(spec: ModelSpec) -> Any:
     return ReplicaSet(engines)
 
 
-def load_replica(spec: ModelSpec, r: Dict[str, Any], where: str = "", label: str = "worker") -> Any:
+def load_replica(spec: ModelSpec, r: Dict[str, Any], where: str = "", label: str = "worker") -> Engine:
     """One replica's engine, by its kind (``r``: a normalized engine dict of
     ``spec.replicas``).  The optional engines are imported here, so a missing
     dependency fails only the model that uses it, with a message naming it."""
@@ -196,7 +204,7 @@ def _optional(where: str, kind: str, module: str, name: str) -> Any:
                           f"installed?") from e
 
 
-def load_native(path: str, engine_args: Dict[str, Any], policy: Any) -> Any:
+def load_native(path: str, engine_args: Dict[str, Any], policy: PolicySpec) -> Engine:
     """A native engine in this process with its configured policies
     (:func:`~interlace.engine_ext.native.setup.build_native_engine`, which
     worker processes use too)."""

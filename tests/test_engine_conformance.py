@@ -207,16 +207,8 @@ async def still_serves(engine: Any, ctx: Contexts, prompts: dict) -> None:
 
 
 async def engine_stats(engine: Any) -> Optional[dict]:
-    """The engine's load (kv_blocks_used, running, waiting): its
-    ``load_stats()`` (the native engine's name: its ``stats`` attribute is a
-    dict of counters) or ``stats()``, as ``replicas.engine_stats`` reads it;
-    None if it has neither."""
-    fn = getattr(engine, "load_stats", None)
-    if not callable(fn):
-        fn = getattr(engine, "stats", None)
-    if not callable(fn):
-        return None
-    return await _maybe_await(fn())
+    """The engine's load (kv_blocks_used, running, waiting): its ``load_stats()``."""
+    return await _maybe_await(engine.load_stats())
 
 
 async def settled_stats(engine: Any, timeout: float = 10.0, *, empty: bool = False) -> dict:
@@ -227,7 +219,7 @@ async def settled_stats(engine: Any, timeout: float = 10.0, *, empty: bool = Fal
     freed blocks.  Returns the last read if that does not happen in time."""
     st = await engine_stats(engine)
     assert isinstance(st, dict) and {"running", "waiting", "kv_blocks_used"} <= set(st), (
-        f"engine.load_stats() or stats() must return a dict with kv_blocks_used, running, waiting; got {st!r}")
+        f"engine.load_stats() must return a dict with kv_blocks_used, running, waiting; got {st!r}")
     deadline = time.monotonic() + timeout
     while (st["running"] or st["waiting"] or (empty and st["kv_blocks_used"])) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -172,13 +172,13 @@ def test_a_stream_does_not_block_other_calls_and_stats_see_it(worker):
         assert {"kv_blocks_used", "kv_blocks_total", "queued_tokens", "running", "waiting"} <= set(stats)
         assert stats["running"] == 1 and stats["kv_blocks_total"] == 2048 // 16 and stats["kv_blocks_used"] > 0
         await asyncio.sleep(0.3)  # the child sends its load while it changes: stats() reads it without waiting
-        assert worker.stats()["running"] == 1 and worker.load_stats()["kv_blocks_used"] > 0
+        assert worker.load_stats()["running"] == 1 and worker.load_stats()["kv_blocks_used"] > 0
         rest = [ev async for ev in stream]
         assert rest[-1].finish_reason == "length" and 1 + len(rest) == 400  # nothing lost on the way
         await worker.free_context("s")
         await worker.free_context("other")
         await asyncio.sleep(0.3)
-        assert worker.stats()["running"] == 0 and worker.stats()["contexts"] == 0
+        assert worker.load_stats()["running"] == 0 and worker.load_stats()["contexts"] == 0
 
     run(go())
 
@@ -277,7 +277,7 @@ def test_a_killed_worker_fails_its_stream_and_every_later_call(tiny_dir):
         with pytest.raises(E.EngineUnavailable):
             await anext(aiter(eng.generate("k", GREEDY)))
         with pytest.raises(E.EngineUnavailable):
-            eng.stats()
+            eng.load_stats()
         eng.free_context_nowait("k")  # fire and forget: nothing to tell anyone
 
     try:
@@ -470,7 +470,7 @@ def test_smollm2_greedy_text_equals_the_in_process_engine_then_close(smol_engine
             with pytest.raises(E.EngineClosed):
                 await anext(aiter(eng.generate("c", GREEDY)))
             with pytest.raises(E.EngineClosed):
-                eng.stats()
+                eng.load_stats()
 
         assert not no_child(pid)
         run(close_during_a_stream())

@@ -171,3 +171,28 @@ def test_the_contracts_catch_upward_imports(tmp_path):
         kept, report = lint(write_tree(tmp_path / str(i), (module, line)), contract)
         assert not kept, f"{contract} kept with {line.strip()!r} in {module}:\n{report}"
         assert "BROKEN" in report, report
+
+
+def test_the_engine_protocol_lists_what_the_gateway_calls():
+    """Every ``engine.X`` / ``<model>.engine.X`` the gateway reads is a member of the Engine protocol
+    (engine_ext/protocol.py), so the protocol is the whole seam and the gateway's seams can be typed
+    with it.  ``inner`` is read only after ``isinstance(engine, VariantEngine)``."""
+    import ast
+
+    from interlace.engine_ext.protocol import Engine
+
+    members = {n for n in dir(Engine) if not n.startswith("_")} | set(Engine.__annotations__)
+    narrowed = {"inner"}
+    outside = []
+    for path in sorted((REPO / "gateway").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            v = node.value
+            owner = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
+            if owner == "engine" and node.attr not in members | narrowed:
+                outside.append(f"{path.relative_to(REPO)}:{node.lineno}: engine.{node.attr}")
+    assert not outside, "the gateway calls engine members the Engine protocol does not list:\n" + "\n".join(outside)
+    # and the protocol names what the gateway needs beyond the commands
+    assert {"tokenizer", "max_model_len", "vocab_size", "free_context_nowait", "context_tokens", "load_stats",
+            "close"} <= members

@@ -47,7 +47,7 @@ async def no_leaks(rs: ReplicaSet) -> None:
             assert await used_blocks(r.engine) == 0, f"replica {r.name} leaks KV blocks"
     st = await rs.check_invariants()
     assert st["contexts"] == 0 and st["used_blocks"] == 0
-    assert rs.stats()["kv_blocks_used"] == 0
+    assert rs.load_stats()["kv_blocks_used"] == 0
 
 
 # ================================================================== routing
@@ -175,7 +175,7 @@ def test_replica_closed_mid_generate(pair, caplog):
         states = {s["name"]: s for s in rs.replica_states()}
         assert states["1"]["alive"] is False and states["1"]["contexts"] == 0 and states["1"]["stats"] is None
         assert states["0"]["alive"] is True and states["0"]["contexts"] == 2
-        assert rs.stats()["kv_blocks_total"] == a.load_stats()["kv_blocks_total"]  # the dead one's KV is gone
+        assert rs.load_stats()["kv_blocks_total"] == a.load_stats()["kv_blocks_total"]  # the dead one's KV is gone
         await rs.free_context("n")
         await rs.free_context("x")
         await no_leaks(rs)
@@ -210,7 +210,7 @@ def test_no_replica_left(pair):
         with pytest.raises(E.EngineUnavailable):
             await rs.computed_tokens("c")
         assert not rs.alive and [s["alive"] for s in rs.replica_states()] == [False, False]
-        assert rs.stats()["kv_blocks_total"] == 0
+        assert rs.load_stats()["kv_blocks_total"] == 0
         rs.close()
         with pytest.raises(E.EngineClosed):
             await rs.fill("after", prompt(8))

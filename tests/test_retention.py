@@ -1,5 +1,5 @@
 """Client-side tool calls keep their context for the follow-up request
-(gateway/openai/retention.py): adoption through the OpenAI endpoint, tenant
+(gateway/retention.py): adoption through the OpenAI endpoint, tenant
 isolation, eviction, and the store's own rules on a stand-in engine."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from helpers.gateway_server import LiveGateway
 from interlace.engine_ext.errors import ContextNotFound
 from interlace.gateway.config import RetentionSpec
-from interlace.gateway.openai.retention import RetentionStore
+from interlace.gateway.retention import RetentionStore
 
 KEYS = [{"key": "alice-key", "name": "alice"}, {"key": "bob-key", "name": "bob"}]
 WEATHER = {"type": "function", "function": {

@@ -10,10 +10,10 @@ A request walks the modules in this order:
   sampling, the constraints of ``tool_choice`` / ``response_format``, the
   server-side tools it may use;
 * ``completions.py``: the agent loop: generate, parse tool calls as they
-  stream, run server-side tools while the context is paused, resume;
-* ``retention.py``: finished contexts kept across client-side tool calls, so
-  the follow-up request does not prefill its history again.
+  stream, run server-side tools while the context is paused, resume.
 
-What both wings share (the served models, errors, prompt rendering) lives at
-the gateway root, not here.
+What the API surfaces share (the served models, errors, prompt rendering, and
+``retention.py``: finished contexts kept across client-side tool calls, which
+the Responses API's ``previous_response_id`` will name too) lives at the
+gateway root, not here.
 """

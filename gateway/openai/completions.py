@@ -55,9 +55,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Tuple
 
 from ...engine_ext.errors import EngineError
+
+if TYPE_CHECKING:  # the seams' types (imports for annotations only)
+    from ...engine_ext.policies import ToolDurations
+    from ...engine_ext.protocol import ContextId, Engine
+    from ...engine_ext.tokenizer import Tokenizer
+    from ...parsers.formats import ToolFormat
+    from ..metrics import Metrics
+    from ..models import ModelServer
+    from ..tools.base import Tool
+    from ..tools.call import ToolCall
+    from ..tools.runtime import ToolRuntime
 from ...engine_ext.protocol import PauseHint, RequestHint, SamplingParams
 from ...parsers.events import ArgumentsDelta, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd, ToolCallStart
 from ..prompt import tool_results_turn
@@ -176,8 +187,8 @@ class _Call:
     id: str
     name: str
     server: bool
-    tool: Any = None                                  # the Tool prototype (server calls)
-    runtime_call: Any = None                          # set by the driver once a worker is assigned
+    tool: Optional[Tool] = None                       # the Tool prototype (server calls)
+    runtime_call: Optional[ToolCall] = None           # set by the driver once a worker is assigned
     events: Optional[asyncio.Queue] = None            # parser events for the tool, in order
     task: Optional[asyncio.Task] = None               # the driver: begin -> events -> finish -> ToolResult
     finishing: bool = False
@@ -219,7 +230,7 @@ def _json_type(v: Any) -> str:
             float: "a number"}.get(type(v), type(v).__name__)
 
 
-def _call_text(fmt: Any, name: str, arguments: Any) -> str:
+def _call_text(fmt: ToolFormat, name: str, arguments: Any) -> str:
     """A rejected call shown as content, as the format writes it."""
     try:
         return fmt.render_call(name, arguments)
@@ -232,7 +243,7 @@ class _Turn:
     client's, which run here, which are malformed.  ``handle`` maps one parser
     event to the events the HTTP layer sees."""
 
-    def __init__(self, model: Any, plan: CompletionPlan, runtime: Any):
+    def __init__(self, model: ModelServer, plan: CompletionPlan, runtime: Optional[ToolRuntime]):
         self.fmt = model.tool_format
         self.plan = plan
         self.runtime = runtime
@@ -372,8 +383,8 @@ class _Turn:
         self.round = []
 
 
-async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
-                         metrics: Any = None) -> AsyncIterator[Any]:
+async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Optional[ToolRuntime] = None,
+                         metrics: Optional[Metrics] = None) -> AsyncIterator[Any]:
     """Yield Content / CallStart / CallArgs / ServerToolResult / Finish."""
     engine = model.engine
     ctx: Any = None
@@ -517,14 +528,14 @@ async def run_completion(model: Any, plan: CompletionPlan, runtime: Any = None,
             engine.free_context_nowait(ctx)
 
 
-def _hint_pause(engine: Any, ctx: Any, tool: str, durations: Any) -> None:
+def _hint_pause(engine: Engine, ctx: ContextId, tool: str, durations: ToolDurations) -> None:
     """Tell the engine which tool the coming pause waits for and how long it
     is expected to take (the engine pauses by itself at the call's end marker,
     before the gateway could say so; it learns the actual time itself)."""
     engine.set_pause_hint(ctx, PauseHint(tool=tool, expected_duration_s=durations.estimate(tool)))
 
 
-def fit_results(tokenizer: Any, fmt: Any, texts: List[str],
+def fit_results(tokenizer: Tokenizer, fmt: ToolFormat, texts: List[str],
                 room: int) -> Tuple[Optional[List[int]], List[Optional[Dict[str, Any]]]]:
     """The tokens appending ``texts`` as tool results, within ``room`` tokens.
 
@@ -566,12 +577,12 @@ def _not_run(call: _Call, why: str) -> ServerToolResult:
                             and bool(call.runtime_call.partial), call.aborted_early)
 
 
-def _start(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_Call], fmt: Any) -> None:
+def _start(call: _Call, runtime: ToolRuntime, plan: CompletionPlan, calls: List[_Call], fmt: ToolFormat) -> None:
     call.events = asyncio.Queue()
     call.task = asyncio.ensure_future(_drive(call, runtime, plan, calls, fmt))
 
 
-async def _drive(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_Call], fmt: Any) -> Any:
+async def _drive(call: _Call, runtime: ToolRuntime, plan: CompletionPlan, calls: List[_Call], fmt: ToolFormat) -> Any:
     """One server-side call: get a worker, pass on the parser's events in
     order, finish.  It runs beside the token loop, so waiting for a free
     worker or a slow tool never holds up decoding or streaming."""
@@ -598,7 +609,7 @@ async def _drive(call: _Call, runtime: Any, plan: CompletionPlan, calls: List[_C
         return None
 
 
-async def _execute(call: _Call, calls: List[_Call], fmt: Any) -> Any:
+async def _execute(call: _Call, calls: List[_Call], fmt: ToolFormat) -> Any:
     """Finish a call.  A call that uses earlier calls' results (the format
     says which: a plan step's ``$N``) first waits for them; the format then
     gives the tool its arguments, the results substituted."""
@@ -623,7 +634,7 @@ def _reference_value(dep: "_Call", res: Any) -> str:
     return dep.tool.result_text(res.content)
 
 
-async def _result(call: _Call, metrics: Any) -> ServerToolResult:
+async def _result(call: _Call, metrics: Optional[Metrics]) -> ServerToolResult:
     r = None
     if call.task is not None:
         if call.error and not call.task.done():

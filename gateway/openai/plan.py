@@ -30,7 +30,7 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 from ...engine_ext.errors import InvalidSampling
 from ...engine_ext.constraints.forced import ForcedOutput
@@ -39,8 +39,11 @@ from ..errors import InvalidInput
 from ..prompt import render_messages
 from .completions import CompletionPlan, FirstRoundOnly
 
+if TYPE_CHECKING:  # the seams' types (imports for annotations only)
+    from ..models import ModelServer
 
-def build_plan(model: Any, body: Dict[str, Any], *, available_tools: Mapping[str, Any], default_max_tokens: int,
+
+def build_plan(model: ModelServer, body: Dict[str, Any], *, available_tools: Mapping[str, Any], default_max_tokens: int,
                max_tool_rounds: int, caller: Optional[str] = None) -> CompletionPlan:
     """The plan of ``body`` on ``model``.  ``available_tools``: the gateway's server-side
     tools by name; ``default_max_tokens`` and ``max_tool_rounds``: what a request that
@@ -124,7 +127,7 @@ def server_tools(available: Mapping[str, Any], wanted: Any, tools: List[Dict[str
     return server
 
 
-def constraint(model: Any, body: Dict[str, Any], tools: List[Dict[str, Any]], choice: Any) -> tuple:
+def constraint(model: ModelServer, body: Dict[str, Any], tools: List[Dict[str, Any]], choice: Any) -> tuple:
     """Logits processors enforcing tool_choice / response_format (constrained decoding)."""
     rf = body.get("response_format") or {}
     forced = choice["function"]["name"] if isinstance(choice, dict) else None
@@ -150,7 +153,7 @@ def constraint(model: Any, body: Dict[str, Any], tools: List[Dict[str, Any]], ch
     return (g.processor(grammar),)
 
 
-def check_replay(model: Any, processors: Sequence[Any], ids: List[int]) -> None:
+def check_replay(model: ModelServer, processors: Sequence[Any], ids: List[int]) -> None:
     """Refuse (400) a replay the request's constraints would not allow: every
     token must pass every processor, and the text must be complete (an EOS
     allowed after it).  Uses the processors as the engine would, on zero

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +31,9 @@ from ..metrics import Metrics
 from . import wire as api
 from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
 from .plan import build_plan
+
+if TYPE_CHECKING:  # the seams' types (imports for annotations only)
+    from ..models import ModelServer
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class ClosingStreamingResponse(StreamingResponse):
             await self.on_close()
 
 
-async def collect(metrics: Metrics, model: Any, plan: CompletionPlan, events: Any) -> Dict[str, Any]:
+async def collect(metrics: Metrics, model: ModelServer, plan: CompletionPlan, events: Any) -> Dict[str, Any]:
     """The whole completion as one ``chat.completion`` object."""
     content: List[str] = []
     calls: Dict[int, Dict[str, Any]] = {}
@@ -146,7 +149,7 @@ async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
             yield ev
 
 
-async def stream_chunks(metrics: Metrics, model: Any, events: Any, first_event: Any,
+async def stream_chunks(metrics: Metrics, model: ModelServer, events: Any, first_event: Any,
                         include_usage: bool) -> AsyncIterator[bytes]:
     """Server-sent events of one completion whose first event is already known.
     Whatever goes wrong after the first byte, the client gets an error event in

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ...engine_ext.errors import EngineError
 from ..errors import APIError, DependencyFailed, GatewayError, InvalidInput, engine_error
@@ -35,6 +35,12 @@ from .prefix_share import Piece, PrefixStore, Shared, boundary_keys
 from .prompt import prompt_pieces
 from .submit import CallReader, link, unlink
 from .transforms import TransformFailed
+
+if TYPE_CHECKING:  # the seams' types (imports for annotations only)
+    from ...engine_ext.protocol import ContextId, Engine
+    from ..metrics import Metrics
+    from ..models import ModelServer
+    from ..tools.runtime import ToolRuntime
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +68,8 @@ class Services:
     """What a session's calls run on (the gateway's models, tools, prefix
     stores).  Built once by the gateway; shared by all sessions."""
 
-    def __init__(self, models: Dict[str, Any], runtime: Any, default_max_tokens: int,
-                 may_use_tool: Any = lambda caller, tool: False, metrics: Any = None):
+    def __init__(self, models: Dict[str, ModelServer], runtime: Optional[ToolRuntime], default_max_tokens: int,
+                 may_use_tool: Any = lambda caller, tool: False, metrics: Optional[Metrics] = None):
         self.models, self.runtime, self.metrics = models, runtime, metrics
         self.default_max_tokens = default_max_tokens
         self.may_use_tool = may_use_tool
@@ -315,7 +321,7 @@ class SessionGraph:
             if shared is not None:
                 store.release(shared)
 
-    async def _generate(self, call: Call, engine: Any, ctx: Any, out: Output) -> None:
+    async def _generate(self, call: Call, engine: Engine, ctx: ContextId, out: Output) -> None:
         text: List[str] = []
         async for ev in engine.generate(ctx, out.sampling, hint=call.hint()):
             if ev.token_id is not None:

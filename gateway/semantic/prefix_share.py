@@ -37,7 +37,10 @@ import logging
 from array import array
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:  # the seams' types (imports for annotations only)
+    from ...engine_ext.protocol import Engine
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class Shared:
 class PrefixStore:
     """The prefix contexts of one model's engine."""
 
-    def __init__(self, engine: Any, model: str, *, min_tokens: int = 16):
+    def __init__(self, engine: Engine, model: str, *, min_tokens: int = 16):
         self.engine, self.model = engine, model
         self.min_tokens = min_tokens
         self.entries: Dict[bytes, PrefixEntry] = {}

@@ -39,11 +39,16 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
-from ...engine_ext.errors import EngineError
-from ...engine_ext.policies import ToolDurations
-from ...engine_ext.protocol import PauseHint
+from ..engine_ext.errors import EngineError
+from ..engine_ext.policies import ToolDurations
+from ..engine_ext.protocol import PauseHint
+
+if TYPE_CHECKING:  # the seams' types (imports for annotations only)
+    from ..engine_ext.protocol import Engine
+    from .config import RetentionSpec
+    from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +98,7 @@ class RetentionStore:
     of a server-side tool of the same name; the store reads it to give the
     engine its expectation when parking."""
 
-    def __init__(self, engine: Any, model: str, spec: Any, metrics: Any = None,
+    def __init__(self, engine: Engine, model: str, spec: RetentionSpec, metrics: Optional[Metrics] = None,
                  gaps: Optional[ToolDurations] = None, clock: Callable[[], float] = time.monotonic):
         self.engine = engine
         self.model = model
