@@ -9,19 +9,18 @@ docs/semantic-variables.md.
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any, Dict, Iterable, Iterator, List, Tuple
 
 from starlette.routing import BaseRoute, Mount, Route
+
+from ..version import __version__
+from .sampling import PROPERTIES as SAMPLING_PROPERTIES
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                                      "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
                                      "call": {"type": ["string", "null"], "description": "424: the failed producer"}}}}}
-SAMPLING = {"type": "object", "additionalProperties": False, "properties": {
-    "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0},
-    "top_p": {"type": "number"}, "top_k": {"type": "integer", "minimum": 0}, "seed": {"type": "integer"},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 8}]}}}
+SAMPLING = {"type": "object", "additionalProperties": False, "properties": SAMPLING_PROPERTIES}
 TRANSFORM = {"type": "object", "additionalProperties": False, "properties": {
     "strip": {"type": "boolean"}, "json_field": {"type": "string", "description": "dotted path: a.b.0"},
     "regex": {"type": "string", "maxLength": 512}, "group": {"type": ["integer", "string"]}}}
@@ -146,13 +145,6 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
 }
 
 
-def _version() -> str:
-    try:
-        return metadata.version("interlace")
-    except metadata.PackageNotFoundError:
-        return "0"
-
-
 def _endpoints(routes: Iterable[BaseRoute], prefix: str = "", names: Tuple[str, ...] = ()
                ) -> Iterator[Tuple[str, List[str], Route]]:
     """(full path, path parameter names, route) of every route, mounted groups included."""
@@ -176,7 +168,7 @@ def openapi_document(routes: Iterable[BaseRoute]) -> Dict[str, Any]:
                 op = {**op, "parameters": params + op.get("parameters", [])}
             paths.setdefault(path, {})[m] = op
     return {"openapi": "3.1.0",
-            "info": {"title": "Interlace gateway", "version": _version(),
+            "info": {"title": "Interlace gateway", "version": __version__,
                      "description": "OpenAI-compatible chat completions with server-side tools, and Parrot-style "
                                     "Semantic Variables (docs/semantic-variables.md)."},
             "components": {"securitySchemes": {

@@ -544,3 +544,14 @@ def test_openapi_lists_every_route_with_its_description(live, http):
     assert [r.path for r in live.app.routes if isinstance(r, Mount)] == ["/v1/sessions"]
     params = doc["paths"]["/v1/sessions/{sid}/variables/{vid}"]["get"]["parameters"]
     assert [p["name"] for p in params if p["in"] == "path"] == ["sid", "vid"]
+
+
+def test_sampling_limits_are_written_once():
+    """The chat schema, the semantic calls' check and the OpenAPI document read one set of limits."""
+    from interlace.gateway import openapi, sampling
+    from interlace.gateway.openai import wire
+
+    for key, limits in sampling.PROPERTIES.items():
+        assert wire.CHAT_REQUEST_SCHEMA["properties"][key] is limits
+    assert wire.CHAT_REQUEST_SCHEMA["properties"]["max_completion_tokens"] is sampling.PROPERTIES["max_tokens"]
+    assert openapi.SAMPLING["properties"] is sampling.PROPERTIES

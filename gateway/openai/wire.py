@@ -19,9 +19,9 @@ import numpy as np
 
 from ...parsers.jsonscan import loads as strict_loads
 from ..errors import APIError
+from ..sampling import PROPERTIES as SAMPLING_PROPERTIES, RequestValidator
 
 FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
-INT32_MAX = 2 ** 31 - 1
 #: Nesting depth a request body may have, counting every object and array.  A chat request
 #: needs about 6; 64 leaves room for tool parameter schemas and keeps every recursive
 #: consumer of the body (json, jsonschema, the grammar compiler) far from the interpreter's limit.
@@ -104,14 +104,9 @@ CHAT_REQUEST_SCHEMA = {
         "stream_options": {"type": ["object", "null"], "additionalProperties": False,
                            "properties": {"include_usage": {"type": ["boolean", "null"]},
                                           "include_obfuscation": {"type": ["boolean", "null"]}}},
-        "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": INT32_MAX},
-        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": INT32_MAX},
-        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
-        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"type": ["integer", "null"], "minimum": 0, "maximum": INT32_MAX},
-        "seed": {"type": ["integer", "null"], "minimum": -2 ** 63, "maximum": 2 ** 63 - 1},
-        "stop": {"oneOf": [{"type": "string"}, {"type": "null"},
-                           {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16}]},
+        # max_tokens, temperature, top_p, top_k, seed, stop: the limits both API surfaces share
+        **SAMPLING_PROPERTIES,
+        "max_completion_tokens": SAMPLING_PROPERTIES["max_tokens"],
         "logprobs": {"type": ["boolean", "null"]},
         # accepted and ignored: they do not change what is generated
         "user": {"type": ["string", "null"]},
@@ -165,15 +160,7 @@ UNSUPPORTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
 KNOWN_FIELDS = frozenset(CHAT_REQUEST_SCHEMA["properties"]) | frozenset(UNSUPPORTED)
 
 
-def _is_integer(checker: Any, instance: Any) -> bool:
-    """JSON Schema's "integer" accepts 3.0; a parameter that must be an int must be sent as one."""
-    return isinstance(instance, int) and not isinstance(instance, bool)
-
-
-_Validator = jsonschema.validators.extend(
-    jsonschema.Draft202012Validator,
-    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_integer))
-_validator = _Validator(CHAT_REQUEST_SCHEMA)
+_validator = RequestValidator(CHAT_REQUEST_SCHEMA)
 
 
 # ------------------------------------------------------------------ parsing
