@@ -38,6 +38,26 @@ class InvalidInput(GatewayError):
     """The request itself is wrong (an HTTP 400)."""
 
 
+class NotFound(GatewayError):
+    """Something the request names does not exist (an HTTP 404): a model, a tool, a variable, a closed session."""
+
+
+class NotAllowed(GatewayError):
+    """The caller may not do this (an HTTP 403): e.g. a server-side tool its API key is not granted."""
+
+
+class Conflict(GatewayError):
+    """The request contradicts the state it acts on (an HTTP 409): e.g. a variable set twice."""
+
+
+class TooLarge(GatewayError):
+    """The request would make what it adds to exceed a size limit (an HTTP 413)."""
+
+
+class LimitReached(GatewayError):
+    """A count limit is reached; the client may retry once it has freed some (an HTTP 429)."""
+
+
 class DependencyFailed(GatewayError):
     """Something the request depends on failed: a tool node, or an upstream call (an HTTP 424)."""
 
@@ -64,7 +84,10 @@ class APIError(Exception):
 
 
 #: The HTTP status of each domain error.
-STATUS = {InvalidInput: 400, DependencyFailed: 424}
+STATUS = {InvalidInput: 400, NotAllowed: 403, NotFound: 404, Conflict: 409, TooLarge: 413, LimitReached: 429,
+          DependencyFailed: 424}
+#: The error ``type`` of a domain error whose type is not OpenAI's ``invalid_request_error``.
+ERROR_TYPE = {NotAllowed: "permission_error"}
 
 #: Seconds a client is asked to wait before retrying a request no engine (replica) could serve.
 RETRY_AFTER_S = 1
@@ -73,7 +96,8 @@ RETRY_AFTER_S = 1
 def api_error(e: GatewayError) -> APIError:
     """A domain error in the API's shape."""
     status = next(STATUS[c] for c in type(e).__mro__ if c in STATUS)
-    return APIError(status, e.message, param=e.param, code=e.code)
+    type_ = next((ERROR_TYPE[c] for c in type(e).__mro__ if c in ERROR_TYPE), "invalid_request_error")
+    return APIError(status, e.message, type_, param=e.param, code=e.code)
 
 
 def engine_error(e: EngineError) -> APIError:

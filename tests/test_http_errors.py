@@ -298,3 +298,16 @@ def test_every_error_class_is_answered_by_the_handlers_registered_once():
     assert [counted(p, s) for p, s in (("/invalid", 400), ("/dependency", 424), ("/gone", 499),
                                        ("/closed", 503))] == [1.0] * 4
     assert counted("/nowhere", 404) is None  # unknown endpoints are not counted (as before)
+
+
+@pytest.mark.parametrize("cls,status,type_", [
+    ("InvalidInput", 400, "invalid_request_error"), ("NotAllowed", 403, "permission_error"),
+    ("NotFound", 404, "invalid_request_error"), ("Conflict", 409, "invalid_request_error"),
+    ("TooLarge", 413, "invalid_request_error"), ("LimitReached", 429, "invalid_request_error"),
+    ("DependencyFailed", 424, "invalid_request_error")])
+def test_each_domain_error_has_its_status_and_type(cls, status, type_):
+    """The semantic wing raises HTTP-neutral errors; one table gives each its status and error type."""
+    from interlace.gateway import errors
+
+    err = errors.api_error(getattr(errors, cls)("m", param="p", code="c"))
+    assert (err.status, err.body()) == (status, {"error": {"message": "m", "type": type_, "param": "p", "code": "c"}})

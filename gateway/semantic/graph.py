@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ...engine_ext.errors import EngineError
-from ..errors import APIError, DependencyFailed, GatewayError, InvalidInput, engine_error
+from ..errors import DependencyFailed, GatewayError, InvalidInput, NotFound, TooLarge, LimitReached, Conflict, engine_error
 from .dag import NAME, PLACEHOLDER, Call, Output, Variable, new_id
 from .objectives import CallNode, deduce
 from .prefix_share import Piece, PrefixStore, Shared, boundary_keys
@@ -105,23 +105,23 @@ class SessionGraph:
     def variable(self, vid: Any, param: str = "variable") -> Variable:
         var = self.variables.get(vid) if isinstance(vid, str) else None
         if var is None:
-            raise APIError(404, f"no variable {vid!r} in this session", param=param, code="variable_not_found")
+            raise NotFound(f"no variable {vid!r} in this session", param=param, code="variable_not_found")
         return var
 
     def _charge(self, n: int) -> None:
         if self.nbytes + n > self.limits.max_bytes:
-            raise APIError(413, f"the session would hold {self.nbytes + n} bytes of text, over its limit of "
+            raise TooLarge(f"the session would hold {self.nbytes + n} bytes of text, over its limit of "
                                 f"{self.limits.max_bytes}", param=None, code="session_bytes")
         self.nbytes += n
 
     def _check_count(self, new_vars: int, new_calls: int = 0) -> None:
         if len(self.variables) + new_vars > self.limits.max_variables:
-            raise APIError(429, f"the session would hold {len(self.variables) + new_vars} variables, over its limit "
+            raise LimitReached(f"the session would hold {len(self.variables) + new_vars} variables, over its limit "
                                 f"of {self.limits.max_variables}; delete the session or use another",
                            code="session_limit")
         pending = sum(c.state in ("pending", "running") for c in self.calls.values())
         if new_calls and pending + new_calls > self.limits.max_pending_calls:
-            raise APIError(429, f"the session would have {pending + new_calls} calls pending or running, over its "
+            raise LimitReached(f"the session would have {pending + new_calls} calls pending or running, over its "
                                 f"limit of {self.limits.max_pending_calls}; get some results first",
                            code="session_limit")
 
@@ -144,10 +144,10 @@ class SessionGraph:
         if not isinstance(value, str):
             raise InvalidInput("value must be a string", param="value")
         if var.producer is not None:
-            raise APIError(409, f"variable {vid} is produced by call {var.producer.id}; it cannot be set",
+            raise Conflict(f"variable {vid} is produced by call {var.producer.id}; it cannot be set",
                            code="variable_has_producer")
         if var.done:
-            raise APIError(409, f"variable {vid} already has a value; variables are set once",
+            raise Conflict(f"variable {vid} already has a value; variables are set once",
                            code="variable_already_set")
         self._charge(len(value.encode()))
         self._resolve(var, value)
@@ -178,7 +178,7 @@ class SessionGraph:
         link(calls, batch)
         try:
             self._charge(sum(c.nbytes for c in calls))
-        except APIError:
+        except GatewayError:
             unlink(calls)
             raise
         # commit: nothing below raises
@@ -254,7 +254,7 @@ class SessionGraph:
             self._fail(call, {"message": "the session was closed while the call ran", "call": call.id,
                               "code": "session_closed"})
             raise
-        except (GatewayError, APIError) as e:
+        except GatewayError as e:
             self._fail(call, {"message": e.message, "call": call.id, "code": e.code})
         except EngineError as e:  # mapped as the chat route maps it; the call's error keeps message and code
             err = engine_error(e)
@@ -410,7 +410,7 @@ class SessionGraph:
     # -------------------------------------------------------------- closing
     def _check_open(self) -> None:
         if self.closed:
-            raise APIError(404, "the session is closed", code="session_not_found")
+            raise NotFound("the session is closed", code="session_not_found")
 
     async def close(self) -> None:
         """Abort running calls (their contexts, and prefix contexts nobody

@@ -23,7 +23,7 @@ import json
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ...engine_ext.policies.objectives import OBJECTIVES
-from ..errors import APIError, GatewayError, InvalidInput
+from ..errors import Conflict, GatewayError, InvalidInput, NotAllowed, NotFound
 from ..sampling import sampling_params
 from .dag import NAME, PLACEHOLDER, Call, Output, Variable, new_id
 from .transforms import Transform, TransformSpecError
@@ -35,7 +35,7 @@ TOOL_KEYS = {"tool", "arguments", "inputs", "outputs"}
 
 #: What refuses a body: the client's mistakes, and the 404 / 403 / 409 answers (an unknown
 #: variable, model or tool; a tool the key may not run; a variable already produced or set).
-REFUSED = (GatewayError, APIError)
+REFUSED = GatewayError
 
 
 def _at(e: Any, i: int) -> None:
@@ -86,7 +86,7 @@ class CallReader:
         if model is None:
             raise InvalidInput(f"model is required (one of {', '.join(self.services.models)})", param="model")
         if not isinstance(model, str) or model not in self.services.models:
-            raise APIError(404, f"the model {model!r} does not exist (available: "
+            raise NotFound(f"the model {model!r} does not exist (available: "
                                 f"{', '.join(self.services.models)})", param="model", code="model_not_found")
         chat = body.get("chat", False)
         if not isinstance(chat, bool):
@@ -152,11 +152,11 @@ class CallReader:
         runtime = self.services.runtime
         tools = runtime.tools if runtime is not None else {}
         if not isinstance(name, str) or name not in tools or not tools[name].enabled:
-            raise APIError(404, f"no enabled tool {name!r} (see GET /v1/plugins)", param="tool", code="unknown_tool")
+            raise NotFound(f"no enabled tool {name!r} (see GET /v1/plugins)", param="tool", code="unknown_tool")
         if not self.services.may_use_tool(self.caller, name):
-            raise APIError(403, f"this session's API key may not run the server-side tool {name!r} (the "
+            raise NotAllowed(f"this session's API key may not run the server-side tool {name!r} (the "
                                 "configuration grants tools per key: server.api_keys[].server_tools)",
-                           "permission_error", param="tool", code="permission_denied")
+                             param="tool", code="permission_denied")
         args = body.get("arguments", {})
         if not isinstance(args, dict):
             raise InvalidInput("arguments must be a JSON object", param="arguments")
@@ -252,10 +252,10 @@ class CallReader:
             if "variable" in spec:
                 var = self.lookup(spec["variable"], f"{where}.variable")
                 if var.producer is not None:
-                    raise APIError(409, f"variable {var.id} is already produced by call {var.producer.id}",
+                    raise Conflict(f"variable {var.id} is already produced by call {var.producer.id}",
                                    param=f"{where}.variable", code="variable_has_producer")
                 if var.done:
-                    raise APIError(409, f"variable {var.id} already has a value", param=f"{where}.variable",
+                    raise Conflict(f"variable {var.id} already has a value", param=f"{where}.variable",
                                    code="variable_already_set")
                 if var.id in claimed:
                     raise InvalidInput(f"variable {var.id} is named by two outputs", param=f"{where}.variable")
@@ -311,7 +311,7 @@ def link(calls: List[Call], batch: bool) -> None:
         try:
             taken = next((o.var for o in call.outputs.values() if o.var.producer is not None), None)
             if taken is not None:
-                raise APIError(409, f"the variable {taken.id} is already produced by another call",
+                raise Conflict(f"the variable {taken.id} is already produced by another call",
                                param="outputs", code="variable_has_producer")
             _check_cycle(call)
         except REFUSED as e:
