@@ -418,7 +418,7 @@ class PluginHost:
     def before_tool_execution(self, tool_name: str, arguments: dict[str, Any], request: Any = None) -> str | None:
         """The runtime's policy: ``None`` to allow the call, else the message that refuses it.
 
-        Matches :data:`interlace.gateway.tools.runtime.Policy`, so a runtime can
+        Matches :data:`interlace.gateway.tools.settings.Policy`, so a runtime can
         take ``policy=host.before_tool_execution``.  A plugin that breaks the
         hook's contract refuses the call (fail closed) with an error naming it.
         """

@@ -24,7 +24,7 @@ from .gateway.tools.base import (COMMON_SETTINGS, AsyncTool, Granularity, Invali
 from .gateway.tools.worker import CPUTimeExceeded, set_hard_limit
 from .gateway.plugin_host import DuplicateRegistration, PluginHookError, PluginHost, PluginLoadError
 from .parsers.base import StreamingParser
-from .parsers.formats import FormatError, ToolFormat
+from .parsers.formats import CannotForce, FormatError, ToolFormat
 from .parsers.events import (ArgumentsDelta, Event, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd,
                              ToolCallStart)
 
@@ -39,7 +39,7 @@ __all__ = [
     # inside a tool's worker process
     "CPUTimeExceeded", "set_hard_limit",
     # parsers
-    "StreamingParser", "ToolFormat", "FormatError", "Event", "Text", "ToolCallStart", "ArgumentsDelta", "FieldComplete", "LineComplete",
+    "StreamingParser", "ToolFormat", "FormatError", "CannotForce", "Event", "Text", "ToolCallStart", "ArgumentsDelta", "FieldComplete", "LineComplete",
     "ToolCallEnd", "ParserError",
     # loading and testing plugins
     "PluginHost", "PluginLoadError", "DuplicateRegistration", "PluginHookError",

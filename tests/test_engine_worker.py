@@ -64,7 +64,7 @@ def test_start_applies_the_policy_and_reports_the_model(worker, local):
         local.vocab_size, local.max_model_len, local.block_size, local.name)
     assert worker.tokenizer is None  # the tiny model has no tokenizer.json, as in process
     assert worker.info["torch_threads"] == 1
-    # built as gateway/app.py load_engine builds it: the objectives around the configured ranking
+    # built as gateway/models.py load_engine builds it: the objectives around the configured ranking
     assert (worker.info["interception"], worker.info["ranking"], worker.info["inner_ranking"]) == (
         type(local.interception).__name__, "ObjectiveRanking", type(local.scheduler.ranking.inner).__name__)
     assert worker.info["interception"] != "Preserve"

@@ -63,7 +63,8 @@ def test_public_names_are_exported() -> None:
     expected = {"hookimpl", "Veto", "Tool", "Granularity", "ToolError", "InvalidToolArguments", "ToolVetoed",
                 "ToolTimeout", "ToolCrashed", "ToolCancelled", "UnknownTool", "ToolConfigError", "COMMON_SETTINGS",
                 "StreamingParser", "Text", "ToolCallStart", "ArgumentsDelta", "FieldComplete", "LineComplete",
-                "ToolCallEnd", "ParserError", "PluginHost", "PluginLoadError", "CPUTimeExceeded", "set_hard_limit"}
+                "ToolCallEnd", "ParserError", "PluginHost", "PluginLoadError", "CPUTimeExceeded", "set_hard_limit",
+                "ToolFormat", "FormatError", "CannotForce", "__version__"}
     assert expected <= set(interlace.__all__)
     assert all(hasattr(interlace, name) for name in interlace.__all__)
 

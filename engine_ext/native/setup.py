@@ -2,7 +2,7 @@
 
 The one place where a :class:`~interlace.engine_ext.native.engine.NativeEngine`
 is built from a model path, engine arguments and a policy: the gateway's
-in-process engines (``gateway/app.py`` ``load_engine``) and the engines in
+in-process engines (``gateway/models.py`` ``load_engine``) and the engines in
 worker processes (``engine_ext/worker.py``) both call
 :func:`build_native_engine`, so they serve with the same policies.
 

@@ -64,7 +64,7 @@ class _Item:
 
 def build_ranking(conf: Dict[str, Any]) -> RankingPolicy:
     """The ranking named in the frontend's configuration, built as the
-    native engine's is (gateway/app.py ``load_engine``)."""
+    native engine's is (gateway/models.py ``load_engine``)."""
     profile = Profile.from_dict(conf["profile"]) if conf.get("profile") else None
     interception = make_interception(conf.get("interception", "preserve"), profile) if profile else None
     return ObjectiveRanking(make_ranking(conf.get("ranking", "fcfs"), profile, interception,
