@@ -151,7 +151,7 @@ def _endpoints(routes: Iterable[BaseRoute], prefix: str = "", names: Tuple[str, 
     for r in routes:
         if isinstance(r, Mount):
             yield from _endpoints(r.routes, prefix + r.path, (*names, *(p for p in r.param_convertors if p != "path")))
-        elif isinstance(r, Route):
+        elif isinstance(r, Route) and r.include_in_schema:
             yield prefix + r.path, [*names, *r.param_convertors], r
 
 

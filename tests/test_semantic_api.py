@@ -533,7 +533,7 @@ def test_openapi_lists_every_route_with_its_description(live, http):
         for r in routes:
             if isinstance(r, Mount):
                 yield from served_by(r.routes, prefix + r.path)
-            else:
+            elif r.include_in_schema:  # not: the trailing-slash redirect
                 yield from ((prefix + r.path, m.lower()) for m in (r.methods or ()) if m != "HEAD")
 
     served = set(served_by(live.app.routes))
@@ -555,3 +555,11 @@ def test_sampling_limits_are_written_once():
         assert wire.CHAT_REQUEST_SCHEMA["properties"][key] is limits
     assert wire.CHAT_REQUEST_SCHEMA["properties"]["max_completion_tokens"] is sampling.PROPERTIES["max_tokens"]
     assert openapi.SAMPLING["properties"] is sampling.PROPERTIES
+
+
+def test_a_trailing_slash_redirects_to_the_sessions_route(http):
+    """``/v1/sessions/`` is below the mounted group; it redirects to ``/v1/sessions`` (307, method and
+    body kept) as Starlette redirects every other route's trailing slash."""
+    r = http.post("/v1/sessions/", json={}, headers={"Authorization": f"Bearer {KEY}"}, follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"].endswith("/v1/sessions")
+    assert http.get("/v1/chat/completions/", follow_redirects=False).status_code == 307  # the same as elsewhere

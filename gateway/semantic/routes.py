@@ -24,7 +24,7 @@ import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable, List
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Mount, Route
 
 from ...engine_ext.policies.objectives import OBJECTIVES
@@ -184,10 +184,16 @@ def build_routes(gw: Any, config: Any) -> List[BaseRoute]:
             raise APIError(404, f"no call {cid!r} in this session", param="call", code="call_not_found")
         return JSONResponse(call.describe())
 
+    async def to_bare(request: Request) -> Response:
+        # /v1/sessions/ is inside the mount, which would answer 404: redirect it to /v1/sessions, as
+        # Starlette's redirect_slashes does for every other route
+        return RedirectResponse(request.url.replace(path=request.url.path.rstrip("/")), status_code=307)
+
     # POST /v1/sessions stays beside the mount: a Mount matches only the paths below it
     return [
         Route("/v1/sessions", create_session, methods=["POST"]),
         Mount("/v1/sessions", routes=[
+            Route("/", to_bare, methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False),
             Route("/{sid}", in_session(session_info), methods=["GET"]),
             Route("/{sid}", in_session(delete_session), methods=["DELETE"]),
             Route("/{sid}/variables", in_session(create_variable), methods=["POST"]),
