@@ -202,33 +202,13 @@ def _info_value(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
+#: ``interlace bench NAME``: the module of interlace.bench whose ``main`` runs it
+BENCHMARKS = {"engine": "engine", "tools": "tools", "trace": "trace", "apps": "apps", "langchain": "langchain_apps",
+              "zoo": "zoo"}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.what == "engine":
-        from interlace.bench import engine as bench_engine
-
-        return bench_engine.main(args.rest)
-    if args.what == "tools":
-        from interlace.bench import tools as bench_tools
-
-        return bench_tools.main(args.rest)
-    if args.what == "trace":
-        from interlace.bench import trace as bench_trace
-
-        return bench_trace.main(args.rest)
-    if args.what == "apps":
-        from interlace.bench import apps as bench_apps
-
-        return bench_apps.main(args.rest)
-    if args.what == "langchain":
-        from interlace.bench import langchain_apps
-
-        return langchain_apps.main(args.rest)
-    if args.what == "zoo":
-        from interlace.bench import zoo as bench_zoo
-
-        return bench_zoo.main(args.rest)
-    print(f"unknown benchmark {args.what!r}", file=sys.stderr)
-    return 2
+    return importlib.import_module(f"interlace.bench.{BENCHMARKS[args.what]}").main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plugins)
 
-    b = sub.add_parser("bench", help="run a benchmark (engine, tools, trace, apps, langchain, zoo)")
-    b.add_argument("what", choices=["engine", "tools", "trace", "apps", "langchain", "zoo"])
+    b = sub.add_parser("bench", help=f"run a benchmark ({', '.join(BENCHMARKS)})")
+    b.add_argument("what", choices=list(BENCHMARKS))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 

@@ -257,3 +257,14 @@ def test_every_native_setting_the_config_accepts_reaches_the_engine(monkeypatch)
     spec = cfg.models["m"]
     assert models.load_replica(spec, spec.replicas[0]) == "engine"
     assert (seen["cuda_graphs"], seen["gpu_memory_utilization"], seen["max_model_len"]) == (False, 0.5, 64)
+
+
+def test_every_benchmark_command_runs_its_modules_main(monkeypatch):
+    import importlib
+
+    from interlace import cli
+
+    for what, module in cli.BENCHMARKS.items():
+        mod = importlib.import_module(f"interlace.bench.{module}")
+        monkeypatch.setattr(mod, "main", lambda rest, what=what: (what, rest))
+        assert cli.cmd_bench(cli.build_parser().parse_args(["bench", what])) == (what, [])
