@@ -50,6 +50,7 @@ from .. import hookspecs
 from ..hookspecs import PROJECT, Veto
 from ..version import __version__
 from .tools.base import COMMON_SETTINGS, Tool, ToolVetoed
+from .tools.sandbox import unavailable_reason
 
 __all__ = [
     "PluginHost",
@@ -499,6 +500,9 @@ def _tool_info(tool: Tool) -> dict[str, Any]:
 
 def _describe_tool(tool: Tool) -> dict[str, Any]:
     info = _tool_info(tool)
+    in_force = getattr(tool, "sandbox_in_force", None) or {}
+    unavailable = ({"available": False, "unavailable_because": in_force.get("reason")}
+                   if in_force.get("sandbox") == "unavailable" else {})  # left out: no sandbox here
     return {
         "name": tool.name,
         "description": tool.description,
@@ -507,6 +511,7 @@ def _describe_tool(tool: Tool) -> dict[str, Any]:
         "timeout_s": tool.timeout_s,
         "workers": tool.workers,
         "enabled": tool.enabled,
+        **unavailable,
         "info": info,
     }
 
@@ -518,4 +523,9 @@ def list_plugins(tool_settings: Mapping[str, Mapping[str, Any]] | None = None, *
     ``host_kwargs`` go to :class:`PluginHost` (``builtins``, ``entrypoints``,
     ``plugins``), so the CLI can list what a config's ``plugins:`` section loads.
     """
-    return PluginHost(tool_settings, **host_kwargs).list_plugins()
+    host = PluginHost(tool_settings, **host_kwargs)
+    for tool in host.tools().values():  # not started here: say which cannot be, and why (as serve would)
+        reason = None if getattr(tool, "allow_unisolated", False) else unavailable_reason(tool)
+        if reason is not None:
+            tool.sandbox_in_force = {"sandbox": "unavailable", "reason": reason}
+    return host.list_plugins()

@@ -7,41 +7,38 @@ friends cost nothing by the time the code is complete.  ``on_finish`` then
 runs only what the stream did not deliver (or everything, with partial
 execution off), so both modes give the same result.
 
-Containment (docs/security.md, "Tool execution", says what it does *not*
-cover).  The tool runtime gives every call:
+Containment (docs/security.md, "Tool execution").  The tool asks the
+runtime for its sandbox (``sandbox = True``; gateway/tools/sandbox.py): each
+worker runs under bubblewrap in new PID, mount, network, IPC, UTS and cgroup
+namespaces, as an unprivileged uid (``sandbox_uid``, 65534) with no
+capabilities and ``no_new_privs``, under a seccomp filter denying namespace,
+mount, ptrace, bpf, keyring and similar syscalls, on a read-only root of only
+what Python needs plus its private scratch directory, in a cgroup holding
+``memory_mb`` and ``max_processes`` for all its processes together.  Where
+the OS cannot build that, start-up fails unless ``allow_unisolated: true``;
+then the tool runs with the common containment only and reports
+``"sandbox": "none"`` -- or, when no caller may use the tool at all, the
+gateway leaves it out and reports it ``"available": false`` with the reason.
+A gateway that is not root gets the same sandbox in a user namespace (the
+uid maps to the gateway's own); without a writable cgroup there, the
+sandbox sets ``RLIMIT_NPROC`` per call instead of the pids limit, and the
+memory of the call's processes together is not bounded (``info()`` says so).
 
-* a fresh process (``process_per_call``): pre-spawned as a warm spare that
-  has done the warm imports, killed with its whole process group and every
-  descendant when the call ends, so no state, thread or child process
-  survives into another call or another API key's call;
-* a private scratch directory as cwd, ``HOME`` and ``TMPDIR``, removed after
-  the call;
-* a clean environment (``PATH``, ``LANG``, ``HOME``, ``TMPDIR``, the
-  ``env`` setting): never the gateway's API keys;
-* ``RLIMIT_AS`` = ``memory_mb`` and a CPU budget of ``cpu_s`` (a
-  ``CPUTimeExceeded`` error first, SIGKILL one second later from a hard
-  ``RLIMIT_CPU``), and the wall-time limit ``timeout_s``.
-
-This tool adds, in :meth:`PythonTool.worker_init`, before any import starts
-a thread:
-
-* a private network namespace (only a down loopback): ``unshare(CLONE_NEWNET)``
-  as root, or inside a new user namespace otherwise.  Where the OS refuses,
-  the tool refuses to start unless its settings say ``allow_unisolated: true``;
-* ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_NPROC`` with soft == hard,
-  so the code cannot raise them.  ``RLIMIT_NPROC`` counts every process of
-  the real uid and is not enforced for root (reported as such by
-  :meth:`PythonTool.info`).
+The tool runtime also gives every call a fresh process (a warm spare, killed
+with everything it started when the call ends), a clean environment, the
+CPU budget and the wall-time limit.  This module adds hard ``RLIMIT_FSIZE``
+and ``RLIMIT_NOFILE`` (and, unsandboxed and not root, ``RLIMIT_NPROC``;
+sandboxed, the sandbox does that per call: its cgroup's pids limit, or
+``RLIMIT_NPROC`` counted in the call's own user namespace).
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
-import ctypes
 import importlib
+import importlib.util
 import io
-import json
 import os
 import shutil
 import socket
@@ -53,54 +50,11 @@ from collections.abc import Mapping
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
-from interlace import CPUTimeExceeded, Granularity, Tool, ToolConfigError, set_hard_limit
+from interlace import CPUTimeExceeded, Granularity, Tool, set_hard_limit
 
-__all__ = ["PythonTool", "probe_isolation", "isolate_network", "NETWORK_ISOLATION_LABELS"]
+__all__ = ["PythonTool"]
 
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWUSER = 0x10000000
 _FILENAME = "<tool:python>"
-#: ``isolate_network()``'s answer -> what ``info()`` reports as ``network_isolation``.
-NETWORK_ISOLATION_LABELS = {
-    "netns": "private network namespace",
-    "userns+netns": "private network namespace (in a new user namespace)",
-    None: "none",
-}
-
-
-def isolate_network() -> str | None:
-    """Move this process into a new, empty network namespace.
-
-    Returns how (``"netns"`` or ``"userns+netns"``), or ``None`` when the
-    kernel refuses (no privilege, user namespaces disabled, seccomp).  Must run
-    while the process is still single-threaded.
-    """
-    if hasattr(os, "unshare"):  # Python 3.12+
-        try:
-            os.unshare(os.CLONE_NEWNET)  # type: ignore[attr-defined]
-            return "netns"
-        except OSError:
-            pass
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    if not hasattr(libc, "unshare"):
-        return None
-    if libc.unshare(_CLONE_NEWNET) == 0:
-        return "netns"
-    uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-        return None
-    # Map our own ids so files keep their owners; "deny" setgroups is required first.
-    for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
-                       ("/proc/self/gid_map", f"{gid} {gid} 1")):
-        try:
-            with open(path, "w") as fh:
-                fh.write(text)
-        except OSError:
-            pass
-    return "userns+netns"
 
 
 def _network_interfaces() -> list[str]:
@@ -108,30 +62,6 @@ def _network_interfaces() -> list[str]:
         return [name for _, name in socket.if_nameindex()]
     except OSError:
         return []
-
-
-def _probe_main() -> None:
-    """Entry of the probe process: try to isolate, print what happened as JSON."""
-    how = isolate_network()
-    print(json.dumps({"network_namespace": how, "network_interfaces": _network_interfaces()}))
-
-
-def probe_isolation() -> dict[str, Any]:
-    """Start a throw-away process, isolate its network as a worker would, report the outcome.
-
-    Returns ``{"network_namespace": "netns" | "userns+netns" | None,
-    "network_interfaces": [...]}``.  Costs one interpreter start (no warm
-    imports); the python tool runs it once, at set-up.
-    """
-    proc = subprocess.run(
-        [sys.executable, "-c", "from interlace.plugins.python_tool import _probe_main; _probe_main()"],
-        env={"PATH": os.environ.get("PATH", os.defpath), "LANG": os.environ.get("LANG", "C.UTF-8")},
-        capture_output=True, text=True, timeout=60, check=False,
-    )
-    try:
-        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
-        raise RuntimeError(f"python tool: the isolation probe failed:\n{proc.stderr.strip()}") from None
 
 
 def _tasks_of_real_uid() -> int:
@@ -144,6 +74,12 @@ def _tasks_of_real_uid() -> int:
         if uids is not None and uids.real == uid:
             count += proc.info.get("num_threads") or 1
     return count
+
+
+def _nproc_fallback(in_force: Mapping[str, Any]) -> str | None:
+    """The RLIMIT_NPROC the sandbox sets in the call's user namespace where it has no cgroup (else ``None``)."""
+    by = str((in_force.get("max_processes") or {}).get("by", ""))
+    return by if by.startswith(("RLIMIT_NPROC", "not enforced")) else None
 
 
 class _CappedText(io.TextIOBase):
@@ -176,8 +112,9 @@ class PythonTool(Tool):
 
     Settings (``settings_schema``) besides the common ones (``workers`` = warm
     spares, ``timeout_s``, ``memory_mb``, ``cpu_s``, ``env``, ``nice``):
-    ``isolate_network`` (default true), ``allow_unisolated`` (default false:
-    refuse to start where the network cannot be isolated),
+    ``sandbox`` and ``sandbox_uid`` (common settings: on, 65534),
+    ``allow_unisolated`` (default false: refuse to start where the sandbox
+    cannot be built), ``cpu_cores`` (a cgroup CPU quota, default none),
     ``file_size_mb``, ``max_open_files``, ``max_processes``,
     ``max_concurrent`` (calls running at once), ``warm_imports``,
     ``max_output_chars`` and ``cpu_time_s`` (old name of ``cpu_s``).
@@ -198,13 +135,14 @@ class PythonTool(Tool):
     settings_schema = {
         "type": "object",
         "properties": {
-            "isolate_network": {"type": "boolean", "description": "Run each call in a private network namespace."},
             "allow_unisolated": {"type": "boolean",
-                                 "description": "Start even where the OS cannot isolate the network."},
+                                 "description": "Start without the sandbox where the OS cannot build it."},
+            "cpu_cores": {"type": "number", "exclusiveMinimum": 0,
+                          "description": "CPU quota of a call's cgroup, in cores (default: none)."},
             "file_size_mb": {"type": "integer", "minimum": 0, "description": "Largest file a call may write."},
             "max_open_files": {"type": "integer", "minimum": 16, "description": "RLIMIT_NOFILE of a call."},
             "max_processes": {"type": "integer", "minimum": 1,
-                              "description": "Processes a call may add (RLIMIT_NPROC; not enforced for root)."},
+                              "description": "Processes and threads a call may add (its cgroup's pids limit)."},
             "max_concurrent": {"type": "integer", "minimum": 1, "description": "Calls running at once."},
             "warm_imports": {"type": "array", "items": {"type": "string"},
                              "description": "Modules each spare imports before its call."},
@@ -218,6 +156,7 @@ class PythonTool(Tool):
     timeout_s = 30.0
     #: Read by the tool runtime: one fresh process per call, ``workers`` warm spares.
     process_per_call = True
+    sandbox = True
     workers = 2
     max_concurrent = 8
     cpu_s = 10.0
@@ -227,12 +166,11 @@ class PythonTool(Tool):
         self.file_size_mb = 64
         self.max_open_files = 256
         self.max_processes = 64
-        self.isolate_network = True
         self.allow_unisolated = False
+        self.cpu_cores: float | None = None
         self.warm_imports: tuple[str, ...] = ("numpy", "matplotlib", "matplotlib.pyplot")
         self.max_output_chars = 20_000
         self.env: dict[str, str] = {}
-        self._probe: dict[str, Any] | None = None
         self._mpl_dir: str | None = None
 
     def configure(self, settings: Mapping[str, Any]) -> None:
@@ -241,47 +179,52 @@ class PythonTool(Tool):
         if "cpu_time_s" in settings:  # old name of cpu_s; cpu_s itself, when given, wins
             self.cpu_s = float(settings["cpu_time_s"])
         for key in ("file_size_mb", "max_open_files", "max_processes", "max_concurrent", "max_output_chars",
-                    "isolate_network", "allow_unisolated"):
+                    "allow_unisolated", "cpu_cores"):
             if key in settings:
                 setattr(self, key, settings[key])
         self.warm_imports = tuple(settings.get("warm_imports", self.warm_imports))
 
     # -- gateway process ----------------------------------------------------------------
 
-    def network_probe(self) -> dict[str, Any]:
-        """Whether this OS lets a worker create a private network namespace (probed once)."""
-        if self._probe is None:
-            self._probe = probe_isolation() if self.isolate_network else {"network_namespace": None}
-        return self._probe
-
     def setup(self) -> None:
-        """Refuse to start without network isolation, unless the settings allow it."""
-        how = self.network_probe()["network_namespace"]
-        if how is None and self.isolate_network and not self.allow_unisolated:
-            raise ToolConfigError(
-                "python tool: this OS does not let the tool's workers create a private network namespace "
-                "(unshare(CLONE_NEWNET) failed, also inside a user namespace), so code run by the model "
-                "could reach the network. Run the gateway where namespaces are allowed (root, or "
-                "unprivileged user namespaces enabled), or set `allow_unisolated: true` under "
-                "tools.python in the config to run it without network isolation."
-            )
-        # One matplotlib cache for all calls: each call's HOME is a fresh scratch
-        # directory, and rebuilding the font cache would cost every call seconds.
-        self._mpl_dir = tempfile.mkdtemp(prefix="interlace-python-mpl-")
+        """Prepare the shared matplotlib cache (the sandbox itself is the runtime's: see ``sandbox``)."""
+        # One matplotlib cache for all calls: each call's HOME is a fresh scratch directory,
+        # and rebuilding the font cache would cost every call seconds.  Built here, by
+        # matplotlib itself before any call runs; sandboxed workers read it (bound
+        # read-only) and copy it into their scratch, so no call can alter another's.
+        self._mpl_dir = tempfile.mkdtemp(prefix=f"interlace-{os.getpid()}-python-mpl-")
+        if "matplotlib" in self.warm_imports and importlib.util.find_spec("matplotlib") is not None:
+            subprocess.run([sys.executable, "-c", "import matplotlib.font_manager"], check=False, timeout=120,
+                           capture_output=True, env={"PATH": os.environ.get("PATH", os.defpath),
+                                                     "MPLCONFIGDIR": self._mpl_dir, "MPLBACKEND": "Agg"})
+        os.chmod(self._mpl_dir, 0o755)
+        self.sandbox_ro_paths = (*self.sandbox_ro_paths, self._mpl_dir)
         self.env = {"MPLCONFIGDIR": self._mpl_dir, **self.env}
 
     def teardown(self) -> None:
         if self._mpl_dir:
             shutil.rmtree(self._mpl_dir, ignore_errors=True)
             self.env = {k: v for k, v in self.env.items() if v != self._mpl_dir}
+            self.sandbox_ro_paths = tuple(p for p in self.sandbox_ro_paths if p != self._mpl_dir)
             self._mpl_dir = None
 
     def info(self) -> dict[str, Any]:
         """The containment in force, for the start-up log, ``/v1/plugins`` and ``interlace plugins``."""
-        probe = self.network_probe()
+        in_force = dict(self.sandbox_in_force or {})
+        if in_force.get("sandbox") == "unavailable":  # left out: no caller may use it and no sandbox here
+            return {"available": False, "sandbox": "unavailable", "unavailable_because": in_force.get("reason"),
+                    "allow_unisolated": self.allow_unisolated, "process_per_call": True}
+        sandboxed = in_force.get("sandbox") == "bubblewrap"
+        if not in_force:
+            sandbox: Any = "not started" if self.sandbox else "none"
+        else:
+            sandbox = in_force if sandboxed else "none"
         root = os.geteuid() == 0
         return {
-            "network_isolation": NETWORK_ISOLATION_LABELS.get(probe.get("network_namespace"), "none"),
+            "sandbox": sandbox,
+            **({"unsandboxed_because": in_force.get("reason")} if in_force and not sandboxed else {}),
+            "network_isolation": "private network namespace (bubblewrap)" if sandboxed
+            else ("none" if in_force or not self.sandbox else "not started"),
             "allow_unisolated": self.allow_unisolated,
             "process_per_call": True,
             "scratch_dir": "private per call (cwd, HOME, TMPDIR), removed after the call",
@@ -291,25 +234,28 @@ class PythonTool(Tool):
                 "RLIMIT_CPU": f"{self.cpu_s:g}s per call (CPUTimeExceeded), SIGKILL 1s later",
                 "RLIMIT_FSIZE": self.file_size_mb << 20,
                 "RLIMIT_NOFILE": self.max_open_files,
-                "RLIMIT_NPROC": "not enforced (the gateway runs as root)" if root
-                else f"{self.max_processes} more than the uid's processes at spawn",
+                "RLIMIT_NPROC": (_nproc_fallback(in_force) or "not used: the cgroup's pids limit bounds the call")
+                if sandboxed
+                else ("not enforced (the gateway runs as root)" if root
+                      else f"{self.max_processes} more than the uid's processes at spawn"),
             },
             "wall_time_s": self.timeout_s,
-            "not_contained": "same uid as the gateway, filesystem readable (and writable where the uid may), "
-                             "no seccomp filter: not a sandbox for hostile code",
         }
 
     # -- worker process -----------------------------------------------------------------
 
     def worker_init(self) -> dict[str, Any]:
-        """Contain the worker, then warm the imports; returns the isolation in force."""
-        netns = isolate_network() if self.isolate_network else None  # before any thread exists
-        if netns is None and self.isolate_network and not self.allow_unisolated:
-            raise ToolConfigError("python tool: could not create a private network namespace")
+        """Warm the imports and set the per-process limits; returns the containment in force."""
+        sandboxed = (self.sandbox_in_force or {}).get("sandbox") == "bubblewrap"
         # One BLAS thread: workers are many, cores are few.
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = "1"
         os.environ["MPLBACKEND"] = "Agg"
+        shared = os.environ.get("MPLCONFIGDIR")
+        if sandboxed and shared and os.path.isdir(shared) and not os.access(shared, os.W_OK):
+            private = os.path.join(os.getcwd(), ".matplotlib")  # the shared cache is read-only here
+            shutil.copytree(shared, private)
+            os.environ["MPLCONFIGDIR"] = private
         warmed = []
         for module in self.warm_imports:
             try:
@@ -321,13 +267,16 @@ class PythonTool(Tool):
             "file_size_bytes": set_hard_limit("RLIMIT_FSIZE", self.file_size_mb << 20),
             "open_files": set_hard_limit("RLIMIT_NOFILE", self.max_open_files),
         }
-        if os.geteuid() == 0:
+        if sandboxed:
+            limits["processes"] = _nproc_fallback(self.sandbox_in_force or {}) or "cgroup pids.max"
+        elif os.geteuid() == 0:
             limits["processes"] = "not enforced (root)"
         else:
             limits["processes"] = set_hard_limit("RLIMIT_NPROC", _tasks_of_real_uid() + self.max_processes)
         return {
             "isolation": {
-                "network_namespace": netns,
+                "sandbox": "bubblewrap" if sandboxed else "none",
+                "uid": os.getuid(),
                 "network_interfaces": _network_interfaces(),
                 "cpu_time_s_per_call": self.cpu_s,
                 **limits,

@@ -6,6 +6,13 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
+# The python tool's sandbox (gateway/tools/sandbox.py): bubblewrap, setpriv (util-linux) and
+# libseccomp.  Installed where we may (root with apt); never fails the setup: without them the
+# python tool refuses to start and says what to install.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v bwrap >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap util-linux libseccomp2; } \
+    >/dev/null 2>&1 || echo "setup: could not install bubblewrap/libseccomp2; the python tool will refuse to start" >&2
+fi
 $PIP install -q --upgrade pip
 # torch first, pinned, so the project's `torch>=2.4` does not pull a different
 # (multi-GB) build.  Install your own CUDA build beforehand to use a GPU.

@@ -647,7 +647,7 @@ def test_the_tools_wing_imports_one_way() -> None:
 
     import interlace.gateway.tools as wing
 
-    order = ["base", "worker", "settings", "process", "pool", "call", "runtime"]  # bottom to top
+    order = ["base", "worker", "settings", "process", "cgroup", "sandbox", "pool", "call", "runtime"]  # bottom to top
     folder = Path(wing.__file__).parent
     assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(order)
     for name in order:

@@ -15,6 +15,10 @@ those above it in this list):
 * :mod:`.settings`: the timeouts, policy and lifecycle the runtime hands down
   to its pools and calls (instead of itself);
 * :mod:`.process`: the worker's environment, killing its process tree;
+* :mod:`.cgroup`: a per-call cgroup (memory, processes, CPU) counting every
+  child, joined before the worker runs anything;
+* :mod:`.sandbox`: the bubblewrap + setpriv + seccomp command line a
+  sandboxed tool's worker starts under, and the probe that proves it holds;
 * :mod:`.pool`: the gateway-side worker handles and their IPC, the fair queue
   of callers, one pool per tool;
 * :mod:`.call`: one call's life (begin, field, line, finish, cancel) and its

@@ -86,6 +86,10 @@ COMMON_SETTINGS: dict[str, dict[str, Any]] = {
         "additionalProperties": {"type": "string"},
         "description": "Extra environment variables for the workers (which otherwise get a minimal one).",
     },
+    "sandbox": {"type": "boolean",
+                "description": "Run the workers in the sandbox (gateway/tools/sandbox.py); refuse to start without it."},
+    "sandbox_uid": {"type": "integer", "minimum": 1, "maximum": 4294967294,
+                    "description": "Unprivileged uid (and gid) the sandboxed workers run as."},
 }
 
 
@@ -195,6 +199,21 @@ class Tool:
     cpu_s: float = 30.0
     #: Extra environment variables for the workers; the host replaces it, never mutate it.
     env: Mapping[str, str] = {}
+    #: Run the workers in the sandbox of :mod:`interlace.gateway.tools.sandbox` (bubblewrap
+    #: namespaces, an unprivileged uid, seccomp, a cgroup per worker).  A tool that asks for it
+    #: and cannot have it makes the runtime's start-up fail with a :class:`ToolConfigError`.
+    sandbox: bool = False
+    #: The unprivileged uid (and gid) of sandboxed workers (never 0).
+    sandbox_uid: int = 65534
+    #: Further host paths a sandboxed worker may read (bound read-only; interlace, the
+    #: interpreter, the virtualenv and the tool's own package are always there).
+    sandbox_ro_paths: tuple[str, ...] = ()
+    #: With ``sandbox``: start without it where the OS cannot give it (reported, never silent).
+    allow_unisolated: bool = False
+    #: Set by the tool runtime when it starts the tool's pool: the sandbox's report
+    #: (``{"sandbox": "bubblewrap", "uid": ..., ...}``) or ``{"sandbox": "none", ...}``;
+    #: ``None`` before.  Workers see it too (it is set before the prototype is pickled).
+    sandbox_in_force: Mapping[str, Any] | None = None
     #: ``False`` hides the tool (e.g. a database tool with no database configured).
     enabled: bool = True
     #: JSON Schema of the tool's own settings (the ``tools.<name>`` config section,

@@ -393,7 +393,8 @@ class ToolCall:
                                          f"{self.pool.limits['cpu_s']:g}s")
         else:
             how = f"killed by signal {-exitcode}" if exitcode and exitcode < 0 else f"exit code {exitcode}"
-            exc = ToolCrashed(f"tool {self.tool.name!r} worker died ({how})")
+            reason = worker.death_reason if worker is not None else None  # e.g. its cgroup ran out of memory
+            exc = ToolCrashed(f"tool {self.tool.name!r} worker died ({reason or how})")
         self._fail(exc)
         exc = self.failure or exc
         self._detach(used=True)

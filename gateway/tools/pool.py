@@ -58,7 +58,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -67,7 +66,9 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from .base import AsyncTool, Tool, ToolError
-from .process import has_exited, kill_process_tree, worker_environment
+from .cgroup import CallCgroup
+from .process import has_exited, kill_process_tree, make_scratch, remove_stale_scratch, worker_environment
+from .sandbox import Sandbox, SandboxUnavailable
 from .settings import Lifecycle, RuntimeSettings
 
 __all__ = ["Worker", "ServedCall", "FairQueue", "WorkerPool", "LoopPool", "DEFAULT_MAX_CONCURRENT"]
@@ -77,6 +78,8 @@ log = logging.getLogger(__name__)
 _WORKER_ENTRY = "from interlace.gateway.tools.worker import main; main()"
 #: Calls a per-call pool runs at once when its tool does not say (``Tool.max_concurrent``).
 DEFAULT_MAX_CONCURRENT = 8
+#: How often a sandboxed worker's cgroup is checked for OOM kills.
+_OOM_POLL_S = 0.2
 
 
 class ServedCall(Protocol):
@@ -104,16 +107,30 @@ class Worker:
         self.exitcode: int | None = None
         self._ready: asyncio.Future[dict[str, Any]] = self.loop.create_future()
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.scratch = tempfile.mkdtemp(prefix=f"interlace-{pool.tool.name}-")
+        self.scratch = make_scratch(pool.tool.name)
+        self.cgroup: CallCgroup | None = None
+        self.death_reason: str | None = None  # set when the gateway kills it for a reason (out of memory)
+        sandbox = pool.sandbox
         parent_sock, child_sock = socket.socketpair()
+        # In the sandbox the worker's parent is bubblewrap's init: "0" skips the parent check.
+        argv = [sys.executable, "-c", _WORKER_ENTRY, str(child_sock.fileno()),
+                "0" if sandbox is not None else str(os.getpid()), self.scratch]
+        pass_fds = [child_sock.fileno()]
+        seccomp_fd = -1
         try:
-            # Started from the loop thread: PR_SET_PDEATHSIG fires when the
-            # *thread* that forked the worker exits.
+            if sandbox is not None:
+                sandbox.prepare_scratch(self.scratch)
+                self.cgroup = sandbox.new_cgroup(os.path.basename(self.scratch))
+                seccomp_fd = sandbox.seccomp_fd()
+                pass_fds.append(seccomp_fd)
+                argv = sandbox.command(argv, self.scratch, seccomp_fd, self.cgroup)
+            # Started from the loop thread: PR_SET_PDEATHSIG (and bwrap's --die-with-parent)
+            # fire when the *thread* that forked the worker exits.
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_ENTRY, str(child_sock.fileno()), str(os.getpid())],
+                argv,
                 env=worker_environment(pool.tool, self.scratch),
-                cwd=self.scratch,
-                pass_fds=(child_sock.fileno(),),
+                cwd=self.scratch if sandbox is None else "/",  # the sandboxed worker enters it itself
+                pass_fds=tuple(pass_fds),
                 start_new_session=True,  # its own session and process group, killed as one
                 stdin=subprocess.DEVNULL,
                 # Code run by a per-call tool (the python tool) may spawn programs that
@@ -123,17 +140,35 @@ class Worker:
             )
         except BaseException:
             parent_sock.close()
+            if self.cgroup is not None:
+                self.cgroup.remove()
             shutil.rmtree(self.scratch, ignore_errors=True)
             raise
         finally:
             child_sock.close()  # so EOF on our end means the worker is gone
+            if seccomp_fd >= 0:
+                os.close(seccomp_fd)
         self.conn = Connection(parent_sock.detach())
         self.pid = self.process.pid
         self.alive = True
         self.loop.add_reader(self.conn.fileno(), self._on_readable)
         self._sender = threading.Thread(target=self._send_loop, name=f"interlace-send-{self.pid}", daemon=True)
         self._sender.start()
+        if self.cgroup is not None:
+            self.loop.call_later(_OOM_POLL_S, self._watch_memory)
         self.send(("init", list(sys.path), pool.tool_bytes, pool.limits))
+
+    def _watch_memory(self) -> None:
+        """Kill the whole worker once the kernel OOM-killed any of its tasks (cgroup v1 has no oom.group)."""
+        if not self.alive or self.cgroup is None:
+            return
+        if self.cgroup.oom_kills():
+            self.death_reason = (f"out of memory: its processes together exceeded memory_mb "
+                                 f"({self.pool.tool.memory_mb} MiB)")
+            log.warning("tool %r worker %s: %s; killed", self.pool.tool.name, self.pid, self.death_reason)
+            self.kill()
+            return
+        self.loop.call_later(_OOM_POLL_S, self._watch_memory)
 
     async def wait_ready(self, timeout: float) -> None:
         try:
@@ -183,10 +218,17 @@ class Worker:
         self.loop.remove_reader(self.conn.fileno())
         self._outbox.put(None)
         kill_process_tree(self.pid)  # whatever it left behind, before its pid is released
+        if self.cgroup is not None:
+            self.cgroup.kill()
         try:
             self.exitcode = self.process.wait(timeout=2)  # quick: it is dead or SIGKILLed
         except subprocess.TimeoutExpired:
             log.error("tool %r worker %s did not exit after SIGKILL", self.pool.tool.name, self.pid)
+        if self.pool.sandbox is not None and self.exitcode is not None and self.exitcode > 128:
+            self.exitcode = 128 - self.exitcode  # bwrap exits 128+N for a worker killed by N
+        if self.cgroup is not None:
+            if not self.cgroup.remove(timeout_s=1.0):
+                log.error("tool %r worker %s: its cgroup still holds tasks", self.pool.tool.name, self.pid)
         try:
             self.conn.close()
         except OSError:
@@ -204,6 +246,8 @@ class Worker:
         """SIGKILL the worker and everything it started, and report it dead.  Idempotent."""
         self.retired = True
         if self.alive:
+            if self.cgroup is not None:
+                self.cgroup.kill()  # every task of the call, wherever it went
             kill_process_tree(self.pid)
         self._on_dead()
 
@@ -282,13 +326,40 @@ class WorkerPool:
         max_concurrent = getattr(tool, "max_concurrent", None) or DEFAULT_MAX_CONCURRENT
         self.capacity = max(self.spares, int(max_concurrent)) if self.per_call else self.spares
         self.limits = {"memory_mb": tool.memory_mb, "cpu_s": tool.cpu_s, "per_call": self.per_call, "nice": tool.nice}
-        self.tool_bytes = pickle.dumps(tool)
+        remove_stale_scratch()  # what a gateway killed before it could clean up left behind
+        self.sandbox = self._sandbox_for(tool)
+        self.tool_bytes = pickle.dumps(tool)  # after _sandbox_for: workers see what is in force
         self.workers: set[Worker] = set()
         self.idle: deque[Worker] = deque()
         self.busy = 0
         self.starting = 0
         self.waiters = FairQueue()
         self.last_error: str | None = None
+
+    @staticmethod
+    def _sandbox_for(tool: Tool) -> Sandbox | None:
+        """The sandbox ``tool`` asked for (``Tool.sandbox``), and what is in force recorded on the tool.
+
+        Raises :class:`~.sandbox.SandboxUnavailable` (a ``ToolConfigError``: start-up
+        fails) where the OS cannot give it, unless ``tool.allow_unisolated``.
+        """
+        if not getattr(tool, "sandbox", False):
+            tool.sandbox_in_force = {"sandbox": "none", "reason": "the tool does not ask for one"}
+            return None
+        try:
+            sandbox = Sandbox.for_tool(tool)
+        except SandboxUnavailable as exc:
+            if not getattr(tool, "allow_unisolated", False):
+                raise
+            log.warning("SECURITY: tool %r runs WITHOUT its sandbox (allow_unisolated): %s", tool.name, exc)
+            tool.sandbox_in_force = {"sandbox": "none", "reason": str(exc)}
+            return None
+        tool.sandbox_in_force = sandbox.info()
+        if sandbox.not_enforced():
+            log.warning("SECURITY: tool %r: sandboxed without a cgroup (%s); rlimits bound each process and "
+                        "the call's task count, but these are NOT enforced: %s", tool.name, sandbox.no_cgroup,
+                        "; ".join(sandbox.not_enforced()))
+        return sandbox
 
     # -- workers -----------------------------------------------------------------------
 

@@ -13,18 +13,58 @@ These are the helpers the gateway side uses for that, kept apart from the
 pools (:mod:`.pool`) because they are about processes, not about calls: what
 a worker may see of the gateway (:func:`worker_environment`), and how nothing
 it started survives it (:func:`kill_process_tree`, :func:`has_exited`).
+
+Scratch directories are named ``interlace-<gateway pid>-<tool>-<random>``
+(:func:`make_scratch`), so that a gateway killed with SIGKILL -- which
+removes nothing -- leaves directories the next start can recognise:
+:func:`remove_stale_scratch` deletes those whose gateway pid is no longer
+alive, and never one of a running gateway.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
+import tempfile
 
 import psutil
 
 from .base import Tool
 
-__all__ = ["worker_environment", "kill_process_tree", "has_exited"]
+__all__ = ["worker_environment", "kill_process_tree", "has_exited", "make_scratch", "remove_stale_scratch"]
+
+_SCRATCH_RE = re.compile(r"^interlace-(\d+)-")
+
+
+def scratch_prefix(what: str) -> str:
+    """``interlace-<this gateway's pid>-<what>-``: the prefix :func:`remove_stale_scratch` recognises."""
+    return f"interlace-{os.getpid()}-{what}-"
+
+
+def make_scratch(what: str) -> str:
+    """A new private directory (mode 0700) under the system's temporary directory."""
+    return tempfile.mkdtemp(prefix=scratch_prefix(what))
+
+
+def remove_stale_scratch(parent: str | None = None) -> list[str]:
+    """Remove the scratch directories of gateways that are gone (a crash or SIGKILL left them); return them."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        match = _SCRATCH_RE.match(name)
+        if match is None or psutil.pid_exists(int(match.group(1))):
+            continue
+        path = os.path.join(parent, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def worker_environment(tool: Tool, home: str) -> dict[str, str]:

@@ -32,6 +32,7 @@ from typing import Any
 from .base import AsyncTool, Tool, ToolCancelled, UnknownTool
 from .call import ToolCall, ToolResult
 from .pool import LoopPool, WorkerPool
+from .sandbox import unavailable_reason
 from .settings import Lifecycle, Policy, RuntimeSettings
 
 __all__ = ["ToolRuntime"]
@@ -64,8 +65,15 @@ class ToolRuntime:
         acquire_timeout_s: float = 60.0,
         cancel_grace_s: float = 0.5,
         stop_grace_s: float = 1.0,
+        ungranted: Iterable[str] = (),
     ) -> None:
-        """``workers`` overrides ``Tool.workers`` (one count for all, or per tool name)."""
+        """``workers`` overrides ``Tool.workers`` (one count for all, or per tool name).
+
+        ``ungranted`` names tools no caller may use (the gateway's permissions
+        grant them to nobody): one of those whose sandbox cannot be built here
+        is left out -- not started, reported by its ``info()`` and in
+        :attr:`left_out` -- instead of failing start-up.  Any other tool whose
+        sandbox cannot be built fails start-up (``SandboxUnavailable``)."""
         items = list(tools.values()) if isinstance(tools, Mapping) else list(tools)
         self.tools: dict[str, Tool] = {}
         for tool in items:
@@ -81,6 +89,8 @@ class ToolRuntime:
                                         stop_grace_s=stop_grace_s)
         self._life = Lifecycle()
         self._pools: dict[str, WorkerPool | LoopPool] = {}
+        self._ungranted = frozenset(ungranted)
+        self.left_out: dict[str, Tool] = {}  # tools not started because their sandbox cannot be built here
 
     async def start(self) -> None:
         """Prepare every tool and start its warm workers; return when all are warm.
@@ -93,6 +103,8 @@ class ToolRuntime:
             raise RuntimeError("ToolRuntime.start() called twice")
         self._life.state = "starting"
         try:
+            for name in sorted(self._ungranted & set(self.tools)):  # before setup: nothing to undo
+                self._leave_out_if_unsandboxable(self.tools[name])
             for tool in self.tools.values():
                 await asyncio.to_thread(tool.setup)
             for name, tool in self.tools.items():
@@ -105,6 +117,20 @@ class ToolRuntime:
         for pool in self._pools.values():
             pool.top_up()
             self._log_containment(pool)
+
+    def _leave_out_if_unsandboxable(self, tool: Tool) -> None:
+        """Leave out a tool no caller may use when its sandbox cannot be built: the gateway still starts."""
+        if getattr(tool, "allow_unisolated", False):
+            return  # it runs without the sandbox, as configured
+        reason = unavailable_reason(tool)
+        if reason is None:
+            return
+        tool.sandbox_in_force = {"sandbox": "unavailable", "reason": reason}
+        self.left_out[tool.name] = self.tools.pop(tool.name)
+        log.warning("tool %r is NOT available: %s. No caller may use it in this configuration, so the gateway "
+                    "starts without it; a request naming it gets unknown_tool. Granting it (server.server_tools, "
+                    "server.api_keys[].server_tools) makes start-up fail until the sandbox can be built.",
+                    tool.name, reason)
 
     def _new_pool(self, tool: Tool) -> WorkerPool | LoopPool:
         if isinstance(tool, AsyncTool):

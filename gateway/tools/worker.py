@@ -1,9 +1,13 @@
 """The worker side of the tool runtime: one tool's handlers in a contained process.
 
 The gateway (:mod:`interlace.gateway.tools.pool`) starts this module with
-``python -c "from interlace.gateway.tools.worker import main; main()" FD PID``
-in a new session (its own process group), with a clean environment and a
-scratch directory as its working directory.  ``FD`` is its end of a socket
+``python -c "from interlace.gateway.tools.worker import main; main()" FD PID DIR``
+in a new session (its own process group), with a clean environment and the
+scratch directory ``DIR`` as its working directory.  A sandboxed worker
+(:mod:`interlace.gateway.tools.sandbox`) gets ``PID`` 0: its parent is
+bubblewrap's init, which dies with the gateway (``--die-with-parent``) and
+takes its PID namespace with it; it enters ``DIR`` itself, because only its
+unprivileged uid may.  ``FD`` is its end of a socket
 pair; the first message on it is ``("init", sys_path, tool_pickle, limits)``.
 
 Why not :mod:`multiprocessing`: its ``spawn`` passes the gateway's whole
@@ -195,11 +199,14 @@ def _describe(exc: BaseException) -> tuple[str, str, str | None]:
 
 
 def main() -> None:
-    """Entry point (``argv``: the socket's fd and the gateway's pid)."""
+    """Entry point (``argv``: the socket's fd, the gateway's pid or 0 in a sandbox, the scratch directory)."""
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the gateway died before prctl took effect
+    if parent_pid and os.getppid() != parent_pid:  # the gateway died before prctl took effect
         os._exit(0)
+    if len(sys.argv) > 3:
+        os.chdir(sys.argv[3])
+    os.environ.pop("PWD", None)  # bubblewrap sets it; the environment stays exactly what the gateway gave
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the gateway's to handle
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # oversized writes fail with EFBIG instead
