@@ -72,9 +72,22 @@ __all__ = ["GrammarError", "ConstraintViolation", "Grammar", "GrammarCompiler", 
 
 class GrammarError(ValueError):
     """The requested constraint cannot be compiled: an invalid or unsupported
-    JSON schema, an invalid tool list or an unknown tool.  The message is
-    meant for the API client (the HTTP layer answers 400 with it).  A format
-    that cannot force calls raises the parsers' own ``CannotForce``."""
+    JSON schema, a regex too complex for the lexer, an invalid tool list or an
+    unknown tool.  The message is meant for the API client (the HTTP layer
+    answers 400 with it); ``param`` names the request field at fault where one
+    is known (``response_format.json_schema.schema``,
+    ``tools[2].function.parameters``).  A format that cannot force calls
+    raises the parsers' own ``CannotForce``."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Functions(Dict[str, Dict[str, Any]]):
+    """``{name: parameters schema}`` that also knows each schema's request field (``where``)."""
+
+    where: Dict[str, str]
 
 
 class ConstraintViolation(RuntimeError):
@@ -87,6 +100,10 @@ class ConstraintViolation(RuntimeError):
 #: How JSON inside constrained output is laid out (llguidance JSON compile
 #: options): ``json.dumps`` separators, no free whitespace -- see the module doc.
 JSON_OPTIONS: Dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+#: Lexer fuel a client's regex may take in isolation (llguidance's ``initial_lexer_fuel``; decoding
+#: has its default, 1,000,000, about 20 ms of work): see :meth:`GrammarCompiler._check_pattern`.
+PATTERN_PROBE_FUEL = 250_000
 
 #: grammars whose output is one JSON document: their processors refuse repeated keys (KeyGuard)
 _JSON_KINDS = frozenset(("json_schema", "json_object"))
@@ -146,6 +163,7 @@ class GrammarCompiler:
         self.ll_tokenizer = llg.LLTokenizer(hf.to_str(), n_vocab=self.vocab_size,
                                             eos_token=list(self.eos_token_ids))
         self._cache: "OrderedDict[str, Grammar]" = OrderedDict()
+        self._patterns: "OrderedDict[str, None]" = OrderedDict()  # regexes the lexer was seen to build
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._tokens: Optional[_TokenTable] = None
@@ -159,8 +177,12 @@ class GrammarCompiler:
         not a valid JSON Schema, or uses keywords llguidance cannot enforce
         (rather than silently generating output that may not validate).
         """
-        schema = self._check_schema(schema, "response_format.json_schema.schema")
-        return self.compile(llg.LLMatcher.grammar_from_json_schema(self._with_options(schema)), "json_schema")
+        where = "response_format.json_schema.schema"
+        schema = self._check_schema(schema, where)
+        try:
+            return self.compile(llg.LLMatcher.grammar_from_json_schema(self._with_options(schema)), "json_schema")
+        except GrammarError as e:
+            raise GrammarError(str(e), where) from None
 
     def json_object(self) -> Grammar:
         """Output must be one JSON object (``response_format: {"type": "json_object"}``), then EOS.
@@ -199,10 +221,11 @@ class GrammarCompiler:
         functions = self._functions(tools)
         if force is not None:
             if force not in functions:
-                raise GrammarError(f"tool_choice names function {force!r}, which is not in tools")
-            functions = {force: functions[force]}
+                raise GrammarError(f"tool_choice names function {force!r}, which is not in tools", "tool_choice")
+            for name in [n for n in functions if n != force]:
+                del functions[name]
         if not functions:
-            raise GrammarError("tool_choice needs at least one function tool")
+            raise GrammarError("tool_choice needs at least one function tool", "tool_choice")
         return functions
 
     def json_rule(self, schema: Mapping[str, Any]) -> str:
@@ -254,7 +277,8 @@ class GrammarCompiler:
                 try:
                     self.compile(llg.LLMatcher.grammar_from_json_schema(self._with_options(params)), "json_schema")
                 except GrammarError as e:
-                    raise GrammarError(f"tools: parameters of function {name!r}: {e}") from None
+                    raise GrammarError(f"tools: parameters of function {name!r}: {e}",
+                                       getattr(functions, "where", {}).get(name, "tools")) from None
             raise
 
     def lark(self, grammar: str) -> Grammar:
@@ -305,14 +329,13 @@ class GrammarCompiler:
         return self._tokens
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _check_schema(schema: Any, what: str) -> Dict[str, Any]:
+    def _check_schema(self, schema: Any, what: str) -> Dict[str, Any]:
         if isinstance(schema, bool):  # JSON Schema's true / false
             if not schema:
-                raise GrammarError(f"{what}: the schema `false` accepts no output")
+                raise GrammarError(f"{what}: the schema `false` accepts no output", what)
             return {}
         if not isinstance(schema, dict):
-            raise GrammarError(f"{what} must be a JSON object (a JSON Schema), got {type(schema).__name__}")
+            raise GrammarError(f"{what} must be a JSON object (a JSON Schema), got {type(schema).__name__}", what)
         import jsonschema
 
         try:
@@ -320,8 +343,40 @@ class GrammarCompiler:
         except jsonschema.SchemaError as e:
             path = "".join(f"[{p!r}]" for p in e.absolute_path)
             raise GrammarError(f"{what} is not a valid JSON Schema: {e.message}"
-                               + (f" (at {path})" if path else "")) from None
+                               + (f" (at {path})" if path else ""), what) from None
+        for path, pattern in _patterns(schema):
+            self._check_pattern(pattern, f"{what}{path}")
         return schema
+
+    def _check_pattern(self, pattern: str, where: str) -> None:
+        """Refuse a regex the lexer cannot build (``^(a{1000}){1000}$``: "too many expressions").
+
+        llguidance builds a regex's lexer states lazily, at the first token
+        inside the string, so such a grammar compiles and then fails while
+        decoding -- a 500 for what is the client's schema.  The probe matches a
+        string with the pattern up to the lexer's first mask inside it, once
+        per pattern (cached like grammars), with a quarter of the lexer fuel
+        decoding has (:data:`PATTERN_PROBE_FUEL`): how much a pattern costs
+        depends on the grammar around it, so a pattern must fit with room to
+        spare.  ``^(a{500}){500}$`` is refused too: it fits decoding's fuel, but
+        each of its masks took seconds of the engine thread."""
+        with self._lock:
+            if pattern in self._patterns:
+                self._patterns.move_to_end(pattern)
+                return
+        spec = llg.LLMatcher.grammar_from_json_schema(self._with_options({"type": "string", "pattern": pattern}))
+        probe = llg.LLMatcher(self.ll_tokenizer, spec, log_level=0,
+                              limits=llg.LLParserLimits(initial_lexer_fuel=PATTERN_PROBE_FUEL))
+        probe.compute_bitmask()
+        probe.consume_tokens(self.ll_tokenizer.tokenize_str('"'))
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarError(f"{where}: the pattern {pattern[:80]!r} is too complex for constrained decoding "
+                               f"({_clean(probe.get_error()).splitlines()[0]})", where)
+        with self._lock:
+            self._patterns[pattern] = None
+            while len(self._patterns) > self._cache_size:
+                self._patterns.popitem(last=False)
 
     @staticmethod
     def _with_options(schema: Mapping[str, Any]) -> Dict[str, Any]:
@@ -332,26 +387,61 @@ class GrammarCompiler:
         out["x-guidance"] = dict(JSON_OPTIONS)
         return out
 
-    def _functions(self, tools: Sequence[Mapping[str, Any]]) -> Dict[str, Dict[str, Any]]:
-        """``{name: parameters schema}`` of the function tools, in order."""
+    def _functions(self, tools: Sequence[Mapping[str, Any]]) -> _Functions:
+        """``{name: parameters schema}`` of the function tools, in order (with each one's request field)."""
         if not isinstance(tools, (list, tuple)):
-            raise GrammarError("tools must be a list")
-        out: Dict[str, Dict[str, Any]] = {}
+            raise GrammarError("tools must be a list", "tools")
+        out = _Functions()
+        out.where = {}
         for i, t in enumerate(tools):
             if not isinstance(t, Mapping):
-                raise GrammarError(f"tools[{i}] must be an object")
+                raise GrammarError(f"tools[{i}] must be an object", f"tools[{i}]")
             if t.get("type", "function") != "function":
                 continue  # other tool types (built-in server tools) take no part in tool_choice
             fn = t.get("function", t)
             name = fn.get("name") if isinstance(fn, Mapping) else None
             if not isinstance(name, str) or not name:
-                raise GrammarError(f"tools[{i}].function.name must be a non-empty string")
+                raise GrammarError(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
             if name in out:
-                raise GrammarError(f"tools: function name {name!r} appears twice")
+                raise GrammarError(f"tools: function name {name!r} appears twice", "tools")
             params = fn.get("parameters")
+            out.where[name] = f"tools[{i}].function.parameters"
             out[name] = (copy.deepcopy(_NO_PARAMETERS) if params is None
-                         else self._check_schema(params, f"tools[{i}].function.parameters"))
+                         else self._check_schema(params, out.where[name]))
         return out
+
+
+#: keywords whose value is a schema, or an object / array of schemas (JSON Schema 2020-12 and draft 7)
+_SUBSCHEMA = frozenset(("items", "additionalItems", "contains", "additionalProperties", "propertyNames", "not",
+                        "if", "then", "else", "unevaluatedItems", "unevaluatedProperties", "prefixItems",
+                        "allOf", "anyOf", "oneOf", "properties", "patternProperties", "$defs", "definitions",
+                        "dependentSchemas"))
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+
+
+def _patterns(schema: Any) -> List[Tuple[str, str]]:
+    """``(path, regex)`` of every ``pattern`` and ``patternProperties`` key in ``schema``, found
+    without recursion (the path as ``.properties.a.pattern``)."""
+    out: List[Tuple[str, str]] = []
+    todo: List[Tuple[str, Any]] = [("", schema)]
+    while todo:
+        path, node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("pattern"), str):
+            out.append((f"{path}.pattern", node["pattern"]))
+        for key, value in node.items():
+            if key not in _SUBSCHEMA:
+                continue
+            if key == "patternProperties" and isinstance(value, dict):
+                out += [(f"{path}.patternProperties", k) for k in value]
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                todo += [(f"{path}.{key}.{k}", v) for k, v in value.items()]
+            elif isinstance(value, list):
+                todo += [(f"{path}.{key}[{i}]", v) for i, v in enumerate(value)]
+            else:
+                todo.append((f"{path}.{key}", value))
+    return out
 
 
 def json_object_lark(depth: int = 4, width: int = 16, max_string: int = 512, max_key: int = 64) -> str:

@@ -21,6 +21,10 @@ Decisions worth knowing:
   must satisfy ``tool_choice`` / ``response_format`` (the first round's text
   when server-side tools run, since constraints apply to the first round
   only), else the request is refused with 400.
+* A prompt whose text cannot fit the context whatever its tokens (more bytes
+  than ``max_model_len`` times the longest token's) is refused before it is
+  tokenized (:func:`gateway.prompt.prompt_bytes_bound`): rendering the text
+  takes milliseconds, tokenizing it seconds.
 * Without ``max_tokens`` a completion may take ``server.default_max_tokens``
   tokens (or the context left, if less), not the whole context.
 * When tools are parsed and the format needs special tokens in the text
@@ -36,7 +40,7 @@ from ...engine_ext.errors import InvalidSampling
 from ...engine_ext.constraints.forced import ForcedOutput
 from ...engine_ext.protocol import SamplingParams
 from ..errors import InvalidInput
-from ..prompt import render_messages
+from ..prompt import prompt_bytes_bound, render_messages, render_text
 from .completions import CompletionPlan, FirstRoundOnly
 
 if TYPE_CHECKING:  # the seams' types (imports for annotations only)
@@ -54,6 +58,12 @@ def build_plan(model: ModelServer, body: Dict[str, Any], *, available_tools: Map
     choice = body.get("tool_choice") or ("auto" if tools else "none")
     fmt = model.tool_format
     try:  # the tools stay visible with tool_choice "none" (OpenAI's behaviour)
+        size = len(render_text(model.tokenizer, body["messages"], tools, fmt).encode("utf-8", "surrogatepass"))
+        bound = prompt_bytes_bound(model.tokenizer, model.max_model_len)
+        if size > bound:  # cannot fit whatever its tokens: refused before it is tokenized
+            raise InvalidInput(f"this model's maximum context length is {model.max_model_len} tokens; the prompt "
+                               f"is {size} bytes of text, more than any {model.max_model_len} tokens stand for "
+                               f"({bound} bytes)", param="messages", code="context_length_exceeded")
         prompt = render_messages(model.tokenizer, body["messages"], tools, fmt)
     except ValueError as e:
         raise InvalidInput(f"messages could not be rendered for this model: {e}", param="messages",
@@ -147,9 +157,12 @@ def constraint(model: ModelServer, body: Dict[str, Any], tools: List[Dict[str, A
             grammar = g.json_schema(rf["json_schema"]["schema"])
         else:
             grammar = g.json_object()
-    except (GrammarError, CannotForce) as e:
-        param = "tools" if str(e).startswith("tools") else "tool_choice" if forcing else "response_format"
-        raise InvalidInput(str(e), param=param, code="invalid_value")
+    except GrammarError as e:  # the client's schema or tools: the field at fault, else the constraint asked for
+        raise InvalidInput(str(e), param=e.param or ("tool_choice" if forcing else "response_format"),
+                           code="invalid_value")
+    except CannotForce as e:
+        raise InvalidInput(str(e), param="tools" if str(e).startswith("tools") else "tool_choice",
+                           code="invalid_value")
     return (g.processor(grammar),)
 
 

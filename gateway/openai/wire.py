@@ -2,6 +2,10 @@
 validation (a body is checked whole before anything is planned), and the
 pieces every answer is made of (ids, stream chunks, server-sent events).
 
+What grows with the body is bounded before it is walked (``metadata`` as
+OpenAI limits it, the request's JSON schemas to :data:`MAX_SCHEMA_NODES`
+values); the rest runs in a worker thread (routes.py).
+
 A client mistake is a 4xx ``APIError`` (gateway/errors.py: one error shape
 for every route) -- the official clients retry 5xx, so a bad request must
 never look like a server failure.
@@ -12,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import jsonschema
 import numpy as np
@@ -26,6 +30,13 @@ FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}
 #: needs about 6; 64 leaves room for tool parameter schemas and keeps every recursive
 #: consumer of the body (json, jsonschema, the grammar compiler) far from the interpreter's limit.
 MAX_JSON_DEPTH = 64
+
+#: JSON values a request's schemas (response_format's, the tools' parameters) may hold together:
+#: every object, array, string, number, boolean and null counts.  Checking and compiling a schema
+#: grows with it (5,000 required properties took 3 s); a tool with a few dozen parameters is a few
+#: hundred values.
+MAX_SCHEMA_NODES = 10_000
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 
 TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
              "properties": {"type": {"const": "text",
@@ -112,7 +123,10 @@ CHAT_REQUEST_SCHEMA = {
         "user": {"type": ["string", "null"]},
         "safety_identifier": {"type": ["string", "null"]},
         "prompt_cache_key": {"type": ["string", "null"]},
-        "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+        # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
+        "metadata": {"type": ["object", "null"], "maxProperties": METADATA_PAIRS,
+                     "propertyNames": {"maxLength": METADATA_KEY_CHARS},
+                     "additionalProperties": {"type": "string", "maxLength": METADATA_VALUE_CHARS}},
         "store": {"type": ["boolean", "null"]},
         "service_tier": {"type": ["string", "null"]},
         "interlace": {
@@ -224,6 +238,48 @@ def _refuse_non_text_parts(messages: Any) -> None:
                                code="unsupported_parameter")
 
 
+def json_nodes(value: Any, limit: int) -> int:
+    """How many JSON values ``value`` holds (itself, and everything inside), counted without
+    recursion and given up past ``limit`` (then ``limit + 1``)."""
+    n, todo = 0, [value]
+    while todo and n <= limit:
+        v = todo.pop()
+        n += 1
+        if isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return n
+
+
+def _schemas(body: Dict[str, Any]) -> Iterator[Tuple[str, Any]]:
+    """``(param, schema)`` of every JSON Schema a request carries."""
+    for i, t in enumerate(body.get("tools") if isinstance(body.get("tools"), list) else ()):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and "parameters" in fn:
+            yield f"tools[{i}].function.parameters", fn["parameters"]
+    rf = body.get("response_format")
+    js = rf.get("json_schema") if isinstance(rf, dict) else None
+    if isinstance(js, dict) and "schema" in js:
+        yield "response_format.json_schema.schema", js["schema"]
+
+
+def _check_sizes(body: Dict[str, Any]) -> None:
+    """What costs more the larger it is, bounded before anything walks it: ``metadata`` (OpenAI's
+    limits) and the request's schemas together (:data:`MAX_SCHEMA_NODES`)."""
+    meta = body.get("metadata")
+    if isinstance(meta, dict) and len(meta) > METADATA_PAIRS:
+        raise APIError(400, f"metadata: at most {METADATA_PAIRS} key-value pairs, got {len(meta)}",
+                       param="metadata", code="invalid_value")
+    left = MAX_SCHEMA_NODES
+    for param, schema in _schemas(body):
+        left -= json_nodes(schema, left)
+        if left < 0:
+            raise APIError(400, f"{param}: the request's JSON schemas hold more than {MAX_SCHEMA_NODES} values "
+                                "together (objects, arrays, strings, numbers), the most the gateway compiles",
+                           param=param, code="schema_too_large")
+
+
 def validate_chat_request(body: Any) -> Dict[str, Any]:
     """Check a parsed request body; raise :class:`APIError` (400, ``param`` naming the field) on the
     first problem.  Unknown fields and unsupported parameters are refused rather than ignored: a
@@ -237,6 +293,7 @@ def validate_chat_request(body: Any) -> Dict[str, Any]:
     for name, (neutral, why) in UNSUPPORTED.items():
         if name in body and not neutral(body[name]):
             raise APIError(400, f"{why}; got {name}={body[name]!r}", param=name, code="unsupported_parameter")
+    _check_sizes(body)
     _refuse_non_text_parts(body.get("messages"))
     err = jsonschema.exceptions.best_match(_validator.iter_errors(body))
     if err is not None:

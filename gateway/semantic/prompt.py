@@ -19,6 +19,12 @@ endpoint's own renderer; the boundaries are found by rendering once more
 with marker characters around each variable's value.  A chat template that
 changes the content (trimming it, escaping it) moves the markers; then the
 prompt is one piece, still tokenized exactly, only not shared.
+
+Values arrive after a call is submitted (a producer's output, a variable set
+later), so the size checked at submit (:mod:`.submit`) is checked again
+here, with every value known, before any text is joined: a template
+repeating a placeholder 100 times over a 100 KB value rendered 10 MB and
+held the event loop 9.9 s.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Any, List, Optional, Sequence, Tuple
 
+from ..errors import TooLarge
 from ..prompt import render_text
 from .prefix_share import Piece
 
@@ -56,11 +63,20 @@ def _strip(marked: str) -> Tuple[str, List[Tuple[int, str]]]:
 
 
 def prompt_pieces(tokenizer: Any, fmt: Any, segments: Optional[Sequence[Segment]] = None,
-                  messages: Optional[Sequence[Tuple[str, Sequence[Segment]]]] = None) -> List[Piece]:
+                  messages: Optional[Sequence[Tuple[str, Sequence[Segment]]]] = None, *,
+                  max_bytes: Optional[int] = None) -> List[Piece]:
     """The prompt of ``segments`` (plain text), or of chat ``messages``
     (``(role, segments)``, rendered with the generation prompt), as pieces
     cut at the boundaries of values; ``Piece.static`` is true for pieces of
-    constant text only."""
+    constant text only.  ``max_bytes`` (:func:`gateway.prompt.prompt_bytes_bound`
+    of the model): a prompt of more bytes of text is refused
+    (``TooLarge``) before anything is joined, rendered or tokenized."""
+    if max_bytes is not None:
+        size = sum(len(text.encode("utf-8", "surrogatepass"))
+                   for text, _ in [*(segments or ()), *(s for _, segs in (messages or ()) for s in segs)])
+        if size > max_bytes:
+            raise TooLarge(f"the prompt would hold {size} bytes of text, more than the model's context "
+                           f"can hold ({max_bytes} bytes)", code="context_length_exceeded")
     if messages is None:
         real = "".join(text for text, _ in segments or ())
         untrusted = [(real, False)]

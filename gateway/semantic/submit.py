@@ -7,7 +7,9 @@ inputs may name an earlier call's output as ``{"call": i, "output": name}``).
 input bindings, output settings, sampling (limits from
 :mod:`gateway.sampling`, the chat route's), transforms, tool permissions --
 and :func:`link` makes the calls their outputs' producers one by one, so a
-cycle through an earlier call of the batch is refused too.  A refusal names
+cycle through an earlier call of the batch is refused too.  A prompt that
+cannot fit its model's context is refused here, counting each input as
+many times as its placeholder appears (413, before any text is built).  A refusal names
 the field (``calls.2.outputs.out.sampling.temperature``) and leaves the
 session as it was; the graph (``graph.py``) only adds what passed.
 
@@ -23,7 +25,8 @@ import json
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ...engine_ext.policies.objectives import OBJECTIVES
-from ..errors import Conflict, GatewayError, InvalidInput, NotAllowed, NotFound
+from ..errors import Conflict, GatewayError, InvalidInput, NotAllowed, NotFound, TooLarge
+from ..prompt import prompt_bytes_bound
 from ..sampling import sampling_params
 from .dag import NAME, PLACEHOLDER, Call, Output, Variable, new_id
 from .transforms import Transform, TransformSpecError
@@ -111,8 +114,34 @@ class CallReader:
         if not out_names:
             raise InvalidInput("the template has no {{output:name}} placeholder: nothing to generate",
                                param="template")
-        return Call(new_id("call"), "llm", self._inputs(body, in_names), self._outputs(body, out_names, True),
+        inputs = self._inputs(body, in_names)
+        self._check_prompt_size(model, [i for _, its in (messages or []) for i in its] + items, inputs)
+        return Call(new_id("call"), "llm", inputs, self._outputs(body, out_names, True),
                     model=model, items=items, chat=chat, messages=messages, nbytes=nbytes)
+
+    def _check_prompt_size(self, model: str, items: List[Tuple[str, str]],
+                           inputs: Dict[str, Union[Variable, str]]) -> None:
+        """Refuse (413) a prompt that cannot fit the model's context, counted before anything is
+        rendered: the template's text, and each input's value (those known now) as many times as
+        its placeholder appears.  A 1 KB template repeating ``{{input:x}}`` over a 100 KB variable
+        would otherwise render 10 MB.  Values that arrive later are counted again when the prompt
+        is rendered (:func:`.prompt.prompt_pieces`)."""
+        served = self.services.models[model]
+        bound = prompt_bytes_bound(served.tokenizer, served.max_model_len)
+        text = sum(len(v.encode("utf-8", "surrogatepass")) for k, v in items if k == "text")
+        per_input: Dict[str, int] = {}
+        for k, name in items:
+            bound_to = inputs.get(name) if k == "input" else None
+            value = bound_to.value if isinstance(bound_to, Variable) else bound_to
+            if isinstance(value, str):
+                per_input[name] = per_input.get(name, 0) + len(value.encode("utf-8", "surrogatepass"))
+        total = text + sum(per_input.values())
+        if total > bound:
+            worst = max(per_input, key=per_input.__getitem__, default=None)
+            raise TooLarge(f"the prompt would hold {total} bytes of text (each input counted once per "
+                           f"placeholder), more than the {served.max_model_len} tokens of {model!r}'s context can "
+                           f"hold ({bound} bytes)", param=f"inputs.{worst}" if worst else "template",
+                           code="context_length_exceeded")
 
     def _messages(self, raw: Any) -> Tuple[List[Tuple[str, List[Tuple[str, str]]]], List[Tuple[str, str]], int]:
         """``[{"role", "content"}, ..., {"role": "assistant", "content": "{{output:NAME}}"}]``:
@@ -271,7 +300,7 @@ class CallReader:
             try:
                 transform = Transform.parse(spec.get("transform"), f"{where}.transform")
             except TransformSpecError as e:
-                raise InvalidInput(str(e), param=f"{where}.transform") from None
+                raise InvalidInput(str(e), param=e.param) from None
             sampling = sampling_params(spec.get("sampling"), f"{where}.sampling",
                                        max_tokens=self.services.default_max_tokens) if llm else None
             if "sampling" in spec and not llm:

@@ -13,22 +13,50 @@ reported to whoever gets the variable).
     {"regex": "```python\\n(.*?)```", "group": 1}
 
 Several keys apply in that order: strip, json_field, regex.
+
+A transform runs on whatever a producer wrote, with a pattern a client
+wrote, so neither may cost more than linear time.  Regexes are RE2's
+(google-re2): matching is linear in the text whatever the pattern, where
+Python's ``re`` backtracks -- ``(.?){20}.{20}\u0000`` took 1.3 s on 40
+characters and doubled with each +1, holding the GIL (so a thread would not
+have helped).  RE2 has no backreferences or lookaround, which are refused
+at submit like any invalid pattern; the pattern's length and compiled
+program size are bounded (the work of a match is at most the program size
+times the text's length).  ``json_field`` measures the output's nesting
+with a linear scan before parsing it, so a deeply nested output is the
+producer's failure, never a RecursionError.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import re2
+
+from ..openai.wire import json_depth
+
 KEYS = ("strip", "json_field", "regex", "group")
-#: A bound on client regexes: Python's re backtracks, so the pattern's size is kept small.
+#: Characters of a client regex, at most.
 MAX_PATTERN = 512
+#: RE2 program size (instructions) of a client regex, at most: a match costs at most about this
+#: many steps per byte of text.  ``a{1000}`` is 1004; everyday extraction patterns are under 100.
+MAX_PROGRAM = 1000
+#: Nesting an output may have for ``json_field`` (objects and arrays); deeper is the producer's failure.
+MAX_JSON_DEPTH = 256
+
+_OPTIONS = re2.Options()
+_OPTIONS.dot_nl = True        # as re.DOTALL: "." spans lines (code fences)
+_OPTIONS.log_errors = False   # a client's bad pattern is its 400, not a line in the server's log
 
 
 class TransformSpecError(ValueError):
-    """The transform as submitted is malformed (the client's mistake)."""
+    """The transform as submitted is malformed (the client's mistake); ``param`` is the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class TransformFailed(ValueError):
@@ -39,7 +67,7 @@ class TransformFailed(ValueError):
 class Transform:
     strip: bool = False
     json_field: Optional[str] = None
-    regex: Optional["re.Pattern[str]"] = None
+    regex: Any = None  # a compiled RE2 pattern
     group: Any = 0
 
     @classmethod
@@ -47,34 +75,31 @@ class Transform:
         if spec is None:
             return None
         if not isinstance(spec, dict):
-            raise TransformSpecError(f"{where} must be an object, got {type(spec).__name__}")
+            raise TransformSpecError(f"{where} must be an object, got {type(spec).__name__}", where)
         unknown = sorted(set(spec) - set(KEYS))
         if unknown:
-            raise TransformSpecError(f"{where}: unknown key(s) {unknown}; expected some of {list(KEYS)}")
+            raise TransformSpecError(f"{where}: unknown key(s) {unknown}; expected some of {list(KEYS)}", where)
         strip = spec.get("strip", False)
         if not isinstance(strip, bool):
-            raise TransformSpecError(f"{where}.strip must be a boolean")
+            raise TransformSpecError(f"{where}.strip must be a boolean", f"{where}.strip")
         field = spec.get("json_field")
         if field is not None and (not isinstance(field, str) or not field):
-            raise TransformSpecError(f"{where}.json_field must be a non-empty string (a dotted path)")
+            raise TransformSpecError(f"{where}.json_field must be a non-empty string (a dotted path)", f"{where}.json_field")
         pattern, group = spec.get("regex"), spec.get("group", 0)
         regex = None
         if pattern is not None:
             if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_PATTERN:
                 raise TransformSpecError(f"{where}.regex must be a non-empty string of at most {MAX_PATTERN} "
-                                         "characters")
-            try:
-                regex = re.compile(pattern, re.DOTALL)
-            except re.error as e:
-                raise TransformSpecError(f"{where}.regex is not a valid regular expression: {e}") from None
+                                         "characters", f"{where}.regex")
+            regex = _compile(pattern, f"{where}.regex")
             if isinstance(group, bool) or not isinstance(group, (int, str)):
-                raise TransformSpecError(f"{where}.group must be a group number or name")
+                raise TransformSpecError(f"{where}.group must be a group number or name", f"{where}.group")
             if isinstance(group, int) and not 0 <= group <= regex.groups:
-                raise TransformSpecError(f"{where}.group {group} does not exist (the regex has {regex.groups})")
+                raise TransformSpecError(f"{where}.group {group} does not exist (the regex has {regex.groups})", f"{where}.group")
             if isinstance(group, str) and group not in regex.groupindex:
-                raise TransformSpecError(f"{where}.group {group!r} is not a named group of the regex")
+                raise TransformSpecError(f"{where}.group {group!r} is not a named group of the regex", f"{where}.group")
         elif "group" in spec:
-            raise TransformSpecError(f"{where}.group needs a regex")
+            raise TransformSpecError(f"{where}.group needs a regex", f"{where}.group")
         return cls(strip=strip, json_field=field, regex=regex, group=group)
 
     def apply(self, text: str) -> str:
@@ -94,7 +119,26 @@ class Transform:
         return text
 
 
+def _compile(pattern: str, where: str) -> Any:
+    """``pattern`` as an RE2 program, refused when RE2 cannot run it (backreferences, lookaround,
+    ``\\Z``: RE2's syntax) or its program is over :data:`MAX_PROGRAM`."""
+    try:
+        regex = re2.compile(pattern, _OPTIONS)
+    except re2.error as e:
+        why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise TransformSpecError(f"{where} is not a regular expression RE2 accepts ({why}); RE2 syntax has no "
+                                 "backreferences or lookaround (docs/semantic-variables.md)", where) from None
+    if regex.programsize > MAX_PROGRAM:
+        raise TransformSpecError(f"{where} is too complex: its RE2 program has {regex.programsize} instructions, "
+                                 f"at most {MAX_PROGRAM} are allowed", where)
+    return regex
+
+
 def _json_field(text: str, path: str) -> str:
+    depth = json_depth(text.encode("utf-8", "surrogatepass"))
+    if depth > MAX_JSON_DEPTH:
+        raise TransformFailed(f"json_field {path!r}: the output is JSON nested {depth} levels deep, over the "
+                              f"{MAX_JSON_DEPTH} levels json_field reads: {_clip(text)}")
     try:
         value = json.loads(text)
     except ValueError as e:
