@@ -54,6 +54,16 @@ def authenticate(config: GatewayConfig, request: Request) -> Optional[ApiKey]:
     return found
 
 
+def authenticate_metrics(config: GatewayConfig, request: Request) -> None:
+    """401 unless ``GET /metrics`` carries ``server.metrics_key`` (when one is set), compared in
+    constant time.  A dedicated key: a scraper gets no API key that could run tools."""
+    if config.metrics_key is None:
+        return
+    if not hmac.compare_digest(bearer_token(request).encode(), config.metrics_key.encode()):
+        raise APIError(401, "invalid or missing metrics key (send 'Authorization: Bearer <server.metrics_key>')",
+                       "invalid_request_error", code="invalid_api_key")
+
+
 def permissions(config: GatewayConfig, caller: Optional[ApiKey]) -> tuple[ServerTools, bool]:
     """(server tools, replay) the caller may use: its key's, else the server-level ones."""
     if caller is not None:
@@ -71,25 +81,30 @@ def authorize(config: GatewayConfig, caller: Optional[ApiKey], body: Dict[str, A
 
     ``interlace.server_tools: true`` with a key limited to a list of tools is
     narrowed to those tools (the request asked for "whatever I may use").  A
-    name that is not an enabled tool is left for the planner's 400
-    ``unknown_tool``, so a typo is not reported as a permission problem."""
+    name that is not an enabled tool is a 400 ``unknown_tool`` first, whoever
+    asks, so a typo is not reported as a permission problem."""
     ext = body.get("interlace") or {}
     who = f"the API key {caller.name!r}" if caller else "an unauthenticated caller"
     allowed_tools, allowed_replay = permissions(config, caller)
     wanted = ext.get("server_tools")
+    enabled = list(enabled_tools)
+    if isinstance(wanted, list):
+        unknown = next((n for n in wanted if n not in enabled), None)
+        if unknown is not None:
+            raise APIError(400, f"unknown server tool {unknown!r} (enabled: {', '.join(enabled) or 'none'})",
+                           param="interlace.server_tools", code="unknown_tool")
     if wanted:
         if allowed_tools is False:
             raise _forbidden(f"{who} may not use server-side tools (interlace.server_tools); the gateway's "
                              "configuration grants them per key (server.api_keys[].server_tools)",
                              "interlace.server_tools")
-        enabled = list(enabled_tools)
         if wanted is True and allowed_tools is not True:
             ext["server_tools"] = [n for n in enabled if may_use_tool(allowed_tools, n)]
             if not ext["server_tools"]:
                 raise _forbidden(f"{who} may use none of the enabled server-side tools", "interlace.server_tools")
         elif isinstance(wanted, list):
             for n in wanted:
-                if n in enabled and not may_use_tool(allowed_tools, n):
+                if not may_use_tool(allowed_tools, n):
                     raise _forbidden(f"{who} may not use the server-side tool {n!r} (allowed: "
                                      f"{', '.join(allowed_tools) or 'none'})", "interlace.server_tools")
     if ext.get("replay") is not None and not allowed_replay:

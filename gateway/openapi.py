@@ -5,6 +5,12 @@ without being listed; each operation's description lives here, beside its
 request and answer schemas (``tests/test_semantic_api.py`` checks that every
 route has one).  The full contract of the session endpoints is
 docs/semantic-variables.md.
+
+The document says what *this* server does: which operations need a key
+follows its configuration (``server.api_keys``, ``server.metrics_key``), and
+the chat request's schema is the one the server validates with.
+``tests/test_openapi_conformance.py`` runs schemathesis against a live
+gateway to hold it to that (statuses, bodies, content types, ``Allow``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Tuple
 from starlette.routing import BaseRoute, Mount, Route
 
 from ..version import __version__
+from .openai.wire import CHAT_REQUEST_SCHEMA
 from .sampling import PROPERTIES as SAMPLING_PROPERTIES
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -59,12 +66,28 @@ def _json(schema: Dict[str, Any]) -> Dict[str, Any]:
     return {"content": {"application/json": {"schema": schema}}}
 
 
+#: Server-sent events (a streamed completion, a streamed variable); OpenAPI 3.1's ``schema`` of an
+#: event stream describes one event
+SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON object; the last event is [DONE]"},
+    "event": {"type": "string"}}}}}
+
+
+def _answer(desc: str, schema: Any) -> Dict[str, Any]:
+    """A documented response: JSON of ``schema``, or the media types ``schema`` maps (a str key: a media type)."""
+    if schema is None:
+        return {"description": desc}
+    if all(isinstance(k, str) and "/" in k for k in schema):
+        return {"description": desc, "content": schema}
+    return {"description": desc, **_json(schema)}
+
+
 def _op(summary: str, answers: Dict[int, Any], body: Any = None, params: Tuple[Dict[str, Any], ...] = (),
-        auth: str = "apiKey") -> Dict[str, Any]:
+        auth: str = "apiKey", body_required: bool = True) -> Dict[str, Any]:
     op: Dict[str, Any] = {"summary": summary, "responses": {
-        str(code): {"description": desc, **(_json(schema) if schema else {})} for code, (desc, schema) in answers.items()}}
+        str(code): _answer(desc, schema) for code, (desc, schema) in answers.items()}}
     if body is not None:
-        op["requestBody"] = {"required": True, **_json(body)}
+        op["requestBody"] = {"required": body_required, **_json(body)}
     if params:
         op["parameters"] = list(params)
     op["security"] = [] if auth == "none" else [{auth: []}]
@@ -76,32 +99,41 @@ def _q(name: str, schema: Dict[str, Any], desc: str) -> Dict[str, Any]:
 
 
 ERR = ("error (OpenAI-style body)", ERROR)
+LIST = {"type": "object", "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}
 SESSION_ERRS = {401: ("no session token", ERROR), 403: ("another session's token", ERROR),
                 404: ("no such session (or variable / call in it)", ERROR)}
 
 OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
-    ("/health", "get"): _op("Liveness and the served models", {200: ("ok", {"type": "object"})}, auth="none"),
-    ("/metrics", "get"): _op("Prometheus metrics (text format)", {200: ("metrics", None)}, auth="none"),
+    ("/health", "get"): _op("Liveness and the served models", {200: ("ok", {
+        "type": "object", "required": ["status", "models"],
+        "properties": {"status": {"const": "ok"}, "models": {"type": "array", "items": {"type": "string"}}}})},
+        auth="none"),
+    ("/metrics", "get"): _op(
+        "Prometheus metrics (text format), labelled by route template, model and tool: no client ids",
+        {200: ("metrics", {"text/plain": {"schema": {"type": "string"}}}),
+         401: ("server.metrics_key is set and the request does not carry it", ERROR)}, auth="metricsKey"),
     ("/openapi.json", "get"): _op("This document", {200: ("OpenAPI 3.1", {"type": "object"})}, auth="none"),
-    ("/v1/models", "get"): _op("The configured models (OpenAI list)", {200: ("models", {"type": "object"}),
-                                                                       401: ERR}),
-    ("/v1/plugins", "get"): _op("Installed plugins, their tools and parsers", {200: ("plugins", {"type": "object"}),
-                                                                               401: ERR}),
+    ("/v1/models", "get"): _op("The configured models (OpenAI list)", {200: ("models", LIST), 401: ERR}),
+    ("/v1/plugins", "get"): _op("Installed plugins, their tools and parsers", {200: ("plugins", LIST), 401: ERR}),
     ("/v1/chat/completions", "post"): _op(
         "OpenAI chat completions: tools, structured output, streaming, Interlace extensions (README)",
-        {200: ("a chat.completion, or server-sent chunks when stream is true", {"type": "object"}),
-         400: ERR, 401: ERR, 403: ERR, 404: ERR, 413: ERR, 415: ERR},
-        body={"type": "object", "required": ["model", "messages"]}),
+        {200: ("a chat.completion, or server-sent chunks when stream is true",
+               {"application/json": {"schema": {"type": "object"}}, **SSE}),
+         400: ERR, 401: ERR, 403: ERR, 404: ERR, 413: ERR, 415: ERR, 429: ERR},
+        # the schema the server validates with; other fields are refused (400 unknown_parameter), and
+        # OpenAI's unimplemented ones are accepted only at their neutral value (wire.UNSUPPORTED)
+        body={**CHAT_REQUEST_SCHEMA, "additionalProperties": False}),
     ("/v1/sessions", "post"): _op(
         "Create a Semantic Variables session; answers its id and bearer token (and submits a first batch of "
         "calls with it, all or nothing: a refused batch leaves no session)",
         {201: ("the session", {"type": "object", "properties": {
             "id": {"type": "string"}, "token": {"type": "string"}, "ttl_s": {"type": "number"},
             "expires_at": {"type": "number"}, "limits": {"type": "object"}, "calls": {"type": "array"}}}),
-         400: ERR, 401: ERR, 404: ERR, 409: ERR, 413: ERR, 429: ERR},
+         400: ERR, 401: ERR, 403: ERR, 404: ERR, 409: ERR, 413: ERR, 415: ERR, 429: ERR},
         body={"type": "object", "properties": {"ttl_s": {"type": "number", "exclusiveMinimum": 0},
                                                "calls": {"type": "array", "items": {"oneOf": [LLM_CALL, TOOL_CALL]}}},
-              "additionalProperties": False}),
+              "additionalProperties": False}, body_required=False),
     ("/v1/sessions/{sid}", "get"): _op(
         "A session's state and usage (prompt, filled and forked tokens)",
         {200: ("state", {"type": "object"}), **SESSION_ERRS}, auth="sessionToken"),
@@ -110,18 +142,19 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
         {200: ("deleted", {"type": "object"}), **SESSION_ERRS}, auth="sessionToken"),
     ("/v1/sessions/{sid}/variables", "post"): _op(
         "Create a Semantic Variable, declared or with a value",
-        {201: ("the variable", VARIABLE), 400: ERR, 413: ERR, 429: ERR, **SESSION_ERRS},
+        {201: ("the variable", VARIABLE), 400: ERR, 413: ERR, 415: ERR, 429: ERR, **SESSION_ERRS},
         body={"type": "object", "additionalProperties": False,
               "properties": {"name": {"type": "string"}, "value": {"type": "string"}}}, auth="sessionToken"),
     ("/v1/sessions/{sid}/variables/{vid}", "put"): _op(
         "Set a declared variable's value (once); calls waiting for it are dispatched",
-        {200: ("the variable", VARIABLE), 400: ERR, 409: ERR, 413: ERR, **SESSION_ERRS},
+        {200: ("the variable", VARIABLE), 400: ERR, 409: ERR, 413: ERR, 415: ERR, **SESSION_ERRS},
         body={"type": "object", "required": ["value"], "properties": {"value": {"type": "string"}},
               "additionalProperties": False}, auth="sessionToken"),
     ("/v1/sessions/{sid}/variables/{vid}", "get"): _op(
         "Wait for a variable's value (or stream it as generated); the criterion guides scheduling",
         {200: ("the value, or server-sent events {delta} ... {value} | {error}, [DONE] when stream=true",
-               {"type": "object", "properties": {"id": {"type": "string"}, "value": {"type": "string"}}}),
+               {"application/json": {"schema": {"type": "object", "properties": {
+                   "id": {"type": "string"}, "value": {"type": "string"}}}}, **SSE}),
          400: ERR, 408: ("timeout_s elapsed; ask again", ERROR), 424: ("its producer failed", ERROR),
          **SESSION_ERRS},
         params=(_q("criterion", {"enum": ["latency", "throughput"]}, "what the application waits for"),
@@ -133,7 +166,7 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
         {201: ("the call and its output variables (a batch: {calls: [...]} of them)", {
             "type": "object", "properties": {"id": {"type": "string"}, "outputs": {"type": "object"},
                                              "state": {"type": "string"}, "calls": {"type": "array"}}}),
-         400: ERR, 403: ERR, 409: ERR, 413: ERR, 429: ERR, **SESSION_ERRS},
+         400: ERR, 403: ERR, 409: ERR, 413: ERR, 415: ERR, 429: ERR, **SESSION_ERRS},
         body={"oneOf": [LLM_CALL, TOOL_CALL, {
             "type": "object", "required": ["calls"], "additionalProperties": False,
             "description": "a batch, all or nothing; an input may be {call: i, output: NAME}, an earlier call's output",
@@ -155,9 +188,13 @@ def _endpoints(routes: Iterable[BaseRoute], prefix: str = "", names: Tuple[str, 
             yield prefix + r.path, [*names, *r.param_convertors], r
 
 
-def openapi_document(routes: Iterable[BaseRoute]) -> Dict[str, Any]:
+def openapi_document(routes: Iterable[BaseRoute], api_keys: bool = True, metrics_key: bool = False
+                     ) -> Dict[str, Any]:
     """Every route of ``routes`` with its operation (a route without a
-    description here is still listed, marked undocumented)."""
+    description here is still listed, marked undocumented).  ``api_keys``:
+    whether the server has API keys (without, the operations that would need
+    one are open); ``metrics_key``: whether ``/metrics`` needs its key."""
+    open_schemes = {s for s, on in (("apiKey", api_keys), ("metricsKey", metrics_key)) if not on}
     paths: Dict[str, Dict[str, Any]] = {}
     for path, names, r in _endpoints(routes):
         methods = sorted(m.lower() for m in (r.methods or {"GET"}) if m != "HEAD")
@@ -166,6 +203,8 @@ def openapi_document(routes: Iterable[BaseRoute]) -> Dict[str, Any]:
             params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in names]
             if params:
                 op = {**op, "parameters": params + op.get("parameters", [])}
+            if any(scheme in open_schemes for req in op.get("security", []) for scheme in req):
+                op = {**op, "security": []}
             paths.setdefault(path, {})[m] = op
     return {"openapi": "3.1.0",
             "info": {"title": "Interlace gateway", "version": __version__,
@@ -175,5 +214,7 @@ def openapi_document(routes: Iterable[BaseRoute]) -> Dict[str, Any]:
                 "apiKey": {"type": "http", "scheme": "bearer",
                            "description": "a server API key (server.api_keys); none needed when none is configured"},
                 "sessionToken": {"type": "http", "scheme": "bearer",
-                                 "description": "the token POST /v1/sessions answered for that session"}}},
+                                 "description": "the token POST /v1/sessions answered for that session"},
+                "metricsKey": {"type": "http", "scheme": "bearer",
+                               "description": "server.metrics_key; /metrics is open when none is configured"}}},
             "paths": paths}

@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable, List
 
+import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Mount, Route
 
 from ...engine_ext.policies.objectives import OBJECTIVES
 from .. import http_guard as guard_
-from ..errors import APIError
+from ..errors import APIError, LimitReached
 from ..http_guard import until_disconnected
 from ..openai.wire import parse_json, sse
 from .dag import Variable
@@ -51,6 +52,24 @@ def _timed_out(var: Variable, timeout: Any) -> APIError:
     return APIError(408, f"variable {var.id} has no value after {timeout} s; ask again", code="timeout")
 
 
+def _by_method(path: str, **endpoints: Callable[[Request], Awaitable[Response]]) -> Route:
+    """One route serving each method of ``path`` with its endpoint (HEAD as GET).  Starlette answers
+    another method (OPTIONS too) with 405 and the ``Allow`` of the first route matching the path, so
+    routes split by method advertised only their own (``OPTIONS /v1/sessions/x`` allowed no DELETE)."""
+    async def endpoint(request: Request) -> Response:
+        return await endpoints["GET" if request.method == "HEAD" else request.method](request)
+    return Route(path, endpoint, methods=list(endpoints))
+
+
+def _check_batch(s: Session, calls: Any) -> None:
+    """A batch of more calls than the session may have pending is refused before any call is read:
+    50,000 calls were read one by one (4.5 s of the event loop) before their 429."""
+    limit = s.graph.limits.max_pending_calls
+    if isinstance(calls, list) and len(calls) > limit:
+        raise LimitReached(f"a batch of {len(calls)} calls is over the session's limit of {limit} calls pending "
+                           "or running", param="calls", code="session_limit")
+
+
 def build_routes(gw: Any, config: Any) -> List[BaseRoute]:
     """The routes, bound to the gateway ``gw`` (its ``sessions`` store is made at start-up)."""
 
@@ -67,7 +86,7 @@ def build_routes(gw: Any, config: Any) -> List[BaseRoute]:
         if optional and not raw.strip():
             return {}
         guard_.require_json(request)
-        body = parse_json(raw)
+        body = await anyio.to_thread.run_sync(parse_json, raw)  # grows with the body: off the event loop
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         return body
@@ -83,6 +102,7 @@ def build_routes(gw: Any, config: Any) -> List[BaseRoute]:
                "limits": s.graph.limits.as_dict()}
         if "calls" in body:  # a whole DAG with the session, in one round trip; nothing kept if it is refused
             try:
+                _check_batch(s, body["calls"])
                 out["calls"] = [_call_json(c) for c in s.graph.submit_many(body["calls"])]
             except Exception:
                 await gw.sessions.delete(s)
@@ -173,6 +193,7 @@ def build_routes(gw: Any, config: Any) -> List[BaseRoute]:
         if isinstance(body, dict) and "calls" in body:  # a batch: the whole DAG in one request
             if set(body) != {"calls"}:
                 raise APIError(400, "a batch body has only 'calls'", param="calls")
+            _check_batch(s, body["calls"])
             calls = s.graph.submit_many(body["calls"])
             return JSONResponse({"calls": [_call_json(c) for c in calls]}, status_code=201)
         return JSONResponse(_call_json(s.graph.submit(body)), status_code=201)
@@ -194,11 +215,9 @@ def build_routes(gw: Any, config: Any) -> List[BaseRoute]:
         Route("/v1/sessions", create_session, methods=["POST"]),
         Mount("/v1/sessions", routes=[
             Route("/", to_bare, methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False),
-            Route("/{sid}", in_session(session_info), methods=["GET"]),
-            Route("/{sid}", in_session(delete_session), methods=["DELETE"]),
+            _by_method("/{sid}", GET=in_session(session_info), DELETE=in_session(delete_session)),
             Route("/{sid}/variables", in_session(create_variable), methods=["POST"]),
-            Route("/{sid}/variables/{vid}", in_session(set_variable), methods=["PUT"]),
-            Route("/{sid}/variables/{vid}", in_session(get_variable), methods=["GET"]),
+            _by_method("/{sid}/variables/{vid}", PUT=in_session(set_variable), GET=in_session(get_variable)),
             Route("/{sid}/calls", in_session(submit_call), methods=["POST"]),
             Route("/{sid}/calls/{cid}", in_session(call_info), methods=["GET"]),
         ]),
