@@ -132,9 +132,8 @@ def check_serve_config(cfg) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from interlace.gateway.app import create_app
+    from interlace.gateway.server import serve
 
     cfg = _config(args)
     check_serve_config(cfg)
@@ -143,7 +142,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = args.host or cfg.host, args.port if args.port is not None else cfg.port
     cfg.host, cfg.port = host, port  # so the start-up warnings name the real address
     app = create_app(cfg)
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # connection cap and read timeouts (server.connections); SIGTERM drains for server.drain_s, then exits 0
+    serve(app, cfg.connections, cfg.drain_s, host=host, port=port, log_level=args.log_level)
     return 0
 
 

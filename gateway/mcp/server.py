@@ -337,9 +337,8 @@ async def serve_http(config: GatewayConfig, host: Any, tools: Mapping[str, Tool]
                      port: int = DEFAULT_PORT, path: str = MCP_PATH, log_level: str = "info") -> None:
     """Serve ``tools`` over Streamable HTTP until SIGINT/SIGTERM; the runtime is started first and
     closed last.  Raises :class:`McpServeError` when nobody may use any tool or a tool cannot start."""
-    import uvicorn
-
     from ..http_guard import startup_warnings
+    from ..server import uvicorn_config
 
     usable = check_http_tools(config, tools)
     unused = [n for n in tools if n not in usable]
@@ -353,7 +352,9 @@ async def serve_http(config: GatewayConfig, host: Any, tools: Mapping[str, Tool]
         runtime = await start_runtime(host, {n: tools[n] for n in usable})
         try:
             app = http_app(build_server(runtime, identify=_http_caller), config, host=listen, path=path)
-            server = _uvicorn_server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+            # the gateway's connection cap and read timeouts (server.connections), JSON protocol errors
+            server = _uvicorn_server(uvicorn_config(app, config.connections, log_level=log_level,
+                                                    timeout_graceful_shutdown=5))
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, server.handle_exit, sig, None)
