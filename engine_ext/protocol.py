@@ -131,7 +131,10 @@ class RequestHint:
     seconds (None: unknown / no call).  ``app`` names the application the
     prediction was learned for.  ``objective`` (``"latency"``,
     ``"throughput"`` or None) and ``task_group`` are Parrot's deduced
-    scheduling preference (:mod:`engine_ext.policies.objectives`).  Seeds
+    scheduling preference (:mod:`engine_ext.policies.objectives`).
+    ``tenant`` names whose request it is (the gateway passes the API key's
+    name; None: the one anonymous caller): the engine's queue is served
+    fairly across tenants (:mod:`engine_ext.policies.fairness`).  Seeds
     the request's ``SchedInfo``."""
 
     app: Optional[str] = None
@@ -140,6 +143,7 @@ class RequestHint:
     expected_tool_s: Optional[float] = None
     objective: Optional[str] = None
     task_group: Optional[str] = None
+    tenant: Optional[str] = None
 
     def validate(self) -> None:
         eo, ts = self.expected_output, self.expected_tool_s
@@ -152,6 +156,8 @@ class RequestHint:
             raise InvalidSampling(f"hint.objective must be 'latency', 'throughput' or None, got {self.objective!r}")
         if self.task_group is not None and not isinstance(self.task_group, str):
             raise InvalidSampling(f"hint.task_group must be a string or None, got {self.task_group!r}")
+        if self.tenant is not None and (not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= 128):
+            raise InvalidSampling(f"hint.tenant must be a string of 1-128 characters or None, got {self.tenant!r}")
 
 
 @runtime_checkable

@@ -442,7 +442,8 @@ class RequestEngine:
         h = ctx.hint or hint
         if h is not None:
             extra.update(expected_output=h.expected_output, expected_tool=h.expected_tool,
-                         expected_tool_s=h.expected_tool_s, objective=h.objective, task_group=h.task_group)
+                         expected_tool_s=h.expected_tool_s, objective=h.objective, task_group=h.task_group,
+                         tenant=h.tenant)
         return extra
 
     async def _prefill(self, ctx: _Context, hint: Optional[RequestHint]) -> None:

@@ -161,6 +161,7 @@ class ContextCommands:
             self.interceptor.unpark(ctx)
         if hint is not None:
             ctx.sched.objective, ctx.sched.task_group = hint.objective, hint.task_group
+            ctx.sched.tenant = hint.tenant
         op.fut, op.ctx, op.created, op.rollback = fut, ctx, created, len(ctx.token_ids)
         ctx.token_ids += tokens
         op.end = len(ctx.token_ids)
@@ -251,7 +252,7 @@ class ContextCommands:
         if hint is not None:
             s.expected_output, s.expected_tool, s.expected_tool_s = (
                 hint.expected_output, hint.expected_tool, hint.expected_tool_s)
-            s.objective, s.task_group = hint.objective, hint.task_group
+            s.objective, s.task_group, s.tenant = hint.objective, hint.task_group, hint.tenant
         ctx.last_fill = None  # generated tokens build on the last fill: it stays
         rng = None
         if not sampling.greedy:

@@ -53,6 +53,7 @@ class SchedInfo:
     # Parrot's deduced preference (ObjectiveRanking): "latency", "throughput" or None, and the task group
     objective: Optional[str] = None
     task_group: Optional[str] = None
+    tenant: Optional[str] = None  # whose request (the API key's name): fairness.py orders admissions by it
     # owned by the ranking:
     predicted_handling: Optional[Handling] = None  # LAMPS' prediction, once per segment (Algorithm 1, line 5)
     future_score: Optional[float] = None           # the later segments' part of a job-horizon score

@@ -16,9 +16,13 @@ picked when vLLM enables asynchronous scheduling.
 Every step, before vLLM's own ``schedule()`` admits waiting requests from
 the front of its FCFS queue, the waiting queue is put in the ranking's
 order; after it, the ranking is told who was admitted (starvation
-counting).  What a ranking reads of a request (:class:`SchedInfo`) comes
-from the request itself (context length, tokens generated) and from the
-frontend's :class:`~engine_ext.protocol.RequestHint`, carried in
+counting).  The ranked queue is then put in fair order across tenants
+(``RequestHint.tenant``, the API key's name): the rule of
+:mod:`engine_ext.policies.fairness`, the native scheduler's, with the
+requests in ``running`` as each tenant's load.  What a ranking reads of
+a request (:class:`SchedInfo`) comes from the request itself (context
+length, tokens generated) and from the frontend's
+:class:`~engine_ext.protocol.RequestHint`, carried in
 ``SamplingParams.extra_args["interlace"]``.  A request resumed after a tool
 call keeps the arrival time of its job (the frontend passes it), as
 InferCept's improved discard does.
@@ -31,12 +35,14 @@ its end) nor the queue of preempted requests that still hold KV blocks
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any, Dict, List, Optional
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..policies import ObjectiveRanking, Profile, make_ranking
+from ..policies.fairness import fair_order
 from ..policies.interception import make_interception
 from ..policies.ranking import RankingPolicy, RankState, SchedInfo
 
@@ -55,7 +61,7 @@ class _Item:
         self.arrival = float(hint.get("arrival") or req.arrival_time)
         self.sched = SchedInfo(expected_output=hint.get("expected_output"), expected_tool=hint.get("expected_tool"),
                                expected_tool_s=hint.get("expected_tool_s"), objective=hint.get("objective"),
-                               task_group=hint.get("task_group"))
+                               task_group=hint.get("task_group"), tenant=hint.get("tenant"))
 
     def refresh(self) -> None:
         self.sched.context_len = self.req.num_tokens
@@ -104,7 +110,8 @@ class _Ranked:
         if self.policy.value != "fcfs" or len(self.waiting) < 2:
             return [self._item(r) for r in self.waiting]
         items = [self._item(r) for r in self.waiting]
-        ordered = self.ranking.order(items, RankState(iteration=self._iteration))
+        running = Counter(request_hint(r).get("tenant") for r in self.running)
+        ordered = fair_order(self.ranking.order(items, RankState(iteration=self._iteration)), running)
         if [i.req for i in ordered] != list(self.waiting):
             self.reordered_steps += 1
             self.waiting.clear()

@@ -405,6 +405,8 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
     retained = False   # the retention store owns the context now
     cached = 0         # prompt tokens a retained context already held
     segment_start, segment_tokens = prompt_tokens, 0  # the current segment (to the next tool call or the end)
+    # the key's name is the tenant the engine's queue is fair across (its prefill and its decoding)
+    hint = RequestHint(app=app, expected_output=lengths.estimate(app, prompt_tokens), tenant=owner)
     try:
         adopted = store.claim(owner, plan.prompt_ids) if store is not None else None
         if adopted is not None:
@@ -413,7 +415,7 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                 if adopted.matched < len(adopted.tokens):  # the reply re-rendered differently from there on
                     await engine.truncate(ctx, adopted.matched)
                 held = await engine.computed_tokens(ctx)
-                await engine.fill(ctx, plan.prompt_ids[adopted.matched:])
+                await engine.fill(ctx, plan.prompt_ids[adopted.matched:], hint=hint)
                 cached = held
                 store.adopted(held)
             except EngineError as e:  # never fail the follow-up for it: prefill as a new request
@@ -422,8 +424,7 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                 ctx = None
         if ctx is None:
             ctx = f"chat-{uuid.uuid4().hex}"
-            await engine.fill(ctx, plan.prompt_ids)
-        hint = RequestHint(app=app, expected_output=lengths.estimate(app, prompt_tokens))
+            await engine.fill(ctx, plan.prompt_ids, hint=hint)
         stream = engine.generate(ctx, sampling, hint=hint)
         async with contextlib.aclosing(stream):
             async for ev in stream:

@@ -105,6 +105,7 @@ class Call:
     error: Optional[Dict[str, Any]] = None
     objective: Optional[str] = None
     task_group: Optional[str] = None
+    tenant: Optional[str] = None  # the session creator's key name: the engine is fair across tenants
     missing: int = 0
     task: Optional["asyncio.Task[None]"] = None
     nbytes: int = 0
@@ -114,7 +115,8 @@ class Call:
         return [v for v in self.inputs.values() if isinstance(v, Variable)]
 
     def hint(self) -> RequestHint:
-        return RequestHint(app="semantic", objective=self.objective, task_group=self.task_group)
+        return RequestHint(app="semantic", objective=self.objective, task_group=self.task_group,
+                           tenant=self.tenant)
 
     def describe(self) -> Dict[str, Any]:
         return {"id": self.id, "kind": self.kind, "state": self.state, "error": self.error,

@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ...engine_ext.errors import EngineError
 from ..errors import DependencyFailed, GatewayError, InvalidInput, NotFound, TooLarge, LimitReached, Conflict, engine_error
 from .dag import NAME, PLACEHOLDER, Call, Output, Variable, new_id
 from .objectives import CallNode, deduce
 from .prefix_share import Piece, PrefixStore, Shared, boundary_keys
+from ..prompt import prompt_bytes_bound
 from .prompt import prompt_pieces
 from .submit import CallReader, link, unlink
 from .transforms import TransformFailed
@@ -91,8 +92,13 @@ class Services:
 class SessionGraph:
     """The variables and calls of one session."""
 
-    def __init__(self, session_id: str, services: Services, limits: Limits, caller: Any = None):
+    def __init__(self, session_id: str, services: Services, limits: Limits, caller: Any = None,
+                 key_check: Optional[Callable[[int], None]] = None):
         self.session_id, self.services, self.limits, self.caller = session_id, services, limits, caller
+        # the caller's key's name: its calls' tenant, which the engine's queue is fair across
+        self.tenant: Optional[str] = caller.name if caller is not None else None
+        # raises LimitReached when the key's sessions cannot take that many more pending calls (key_limits.py)
+        self.key_check = key_check
         self.variables: Dict[str, Variable] = {}
         self.calls: Dict[str, Call] = {}
         self.usage = Usage()
@@ -119,11 +125,17 @@ class SessionGraph:
             raise LimitReached(f"the session would hold {len(self.variables) + new_vars} variables, over its limit "
                                 f"of {self.limits.max_variables}; delete the session or use another",
                            code="session_limit")
-        pending = sum(c.state in ("pending", "running") for c in self.calls.values())
+        pending = self.pending_calls()
         if new_calls and pending + new_calls > self.limits.max_pending_calls:
             raise LimitReached(f"the session would have {pending + new_calls} calls pending or running, over its "
                                 f"limit of {self.limits.max_pending_calls}; get some results first",
                            code="session_limit")
+        if new_calls and self.key_check is not None:
+            self.key_check(new_calls)
+
+    def pending_calls(self) -> int:
+        """Calls pending or running."""
+        return sum(c.state in ("pending", "running") for c in self.calls.values())
 
     def create_variable(self, name: Optional[str] = None, value: Optional[str] = None) -> Variable:
         self._check_open()
@@ -173,6 +185,8 @@ class SessionGraph:
         checked (with its position in errors) before any is kept."""
         self._check_open()
         calls = CallReader(self.variable, self.services, self.caller).read(bodies, batch)
+        for call in calls:
+            call.tenant = self.tenant
         new_vars = {o.var.id: o.var for c in calls for o in c.outputs.values() if o.var.id not in self.variables}
         self._check_count(len(new_vars), len(calls))
         link(calls, batch)
@@ -229,11 +243,14 @@ class SessionGraph:
         model = self.services.models[call.model]
         first = next(i for i, (k, _) in enumerate(call.items) if k == "output")
         segments = [self._segment(call, kind, val) for kind, val in call.items[:first]]
+        # values that arrived after submit (producers' outputs) are counted again, before any text is joined
+        bound = prompt_bytes_bound(model.tokenizer, model.max_model_len)
         if call.messages is None:
-            pieces = prompt_pieces(model.tokenizer, model.tool_format, segments)
+            pieces = prompt_pieces(model.tokenizer, model.tool_format, segments, max_bytes=bound)
         else:
             pieces = prompt_pieces(model.tokenizer, model.tool_format, messages=[
-                (role, [self._segment(call, k, v) for k, v in items]) for role, items in call.messages])
+                (role, [self._segment(call, k, v) for k, v in items]) for role, items in call.messages],
+                max_bytes=bound)
         keys = boundary_keys(call.model, pieces)
         self.services.prefix_store(call.model).want(keys)
         call.wanted = keys
@@ -330,7 +347,8 @@ class SessionGraph:
                 text.append(ev.text)
                 out.var.push(ev.text)
         raw = "".join(text)
-        value = out.transform.apply(raw) if out.transform is not None else raw
+        # RE2 releases the GIL: a long output's transform runs beside the loop, not on it
+        value = await asyncio.to_thread(out.transform.apply, raw) if out.transform is not None else raw
         self._charge(len(value.encode()))
         self._resolve(out.var, value)
 
@@ -354,7 +372,8 @@ class SessionGraph:
         (out,) = call.outputs.values()
         raw = result.to_text()
         out.var.push(raw)
-        value = out.transform.apply(raw) if out.transform is not None else raw
+        # RE2 releases the GIL: a long output's transform runs beside the loop, not on it
+        value = await asyncio.to_thread(out.transform.apply, raw) if out.transform is not None else raw
         self._charge(len(value.encode()))
         self._resolve(out.var, value)
 

@@ -13,7 +13,10 @@ shares) and text (its variables).  Everything is freed on ``DELETE``, when
 the session has been idle for its ``ttl_s`` (no request in flight counts as
 activity: a blocking ``get`` keeps it alive), and at shutdown.  Limits per
 session (variables, pending calls, bytes of text) and on the number of
-sessions keep one client from holding the server's memory.
+sessions keep one client from holding the server's memory; per API key (the
+session's creator), the sessions it holds and its calls pending over all of
+them are bounded too (gateway/key_limits.py), so one key cannot take every
+session slot.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from starlette.requests import Request
 
@@ -33,6 +36,7 @@ from ..errors import APIError
 from .graph import Limits, Services, SessionGraph
 from ..config import SessionsConfig
 from ..http_guard import bearer_token
+from ..key_limits import KeyLimits, key_name
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +74,11 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, services: Services, config: SessionsConfig = SessionsConfig()):
-        self.services, self.config = services, config
+    def __init__(self, services: Services, config: SessionsConfig = SessionsConfig(),
+                 key_limits: Optional[KeyLimits] = None):
+        self.services, self.config, self.key_limits = services, config, key_limits
+        if key_limits is not None:
+            key_limits.holdings = self.holdings
         self.sessions: Dict[str, Session] = {}
         self._reaper: Optional["asyncio.Task[None]"] = None
         self._wake = asyncio.Event()  # a new session may expire sooner than the reaper's next round
@@ -92,13 +99,35 @@ class SessionStore:
         if len(self.sessions) >= cfg.max_sessions:
             raise APIError(429, f"the server holds its limit of {cfg.max_sessions} sessions; delete one or wait "
                                 "for idle ones to expire", code="too_many_sessions")
+        if self.key_limits is not None:
+            self.key_limits.check_sessions(caller, len(self._of(caller)))
         sid = f"ses_{secrets.token_hex(12)}"
         limits = Limits(cfg.max_variables, cfg.max_pending_calls, cfg.max_bytes)
         s = Session(sid, f"sst_{secrets.token_urlsafe(32)}", caller, float(ttl_s),
-                    SessionGraph(sid, self.services, limits, caller))
+                    SessionGraph(sid, self.services, limits, caller, key_check=self._key_check(caller)))
         self.sessions[sid] = s
         self._wake.set()
         return s
+
+    def _of(self, caller: Any) -> list:
+        """The sessions created by ``caller``'s key (every session without API keys)."""
+        name = key_name(caller)
+        return [s for s in self.sessions.values() if key_name(s.caller) == name]
+
+    def _key_check(self, caller: Any) -> Any:
+        """What a session's graph asks before it takes new calls: the key's pending calls over its sessions."""
+        if self.key_limits is None:
+            return None
+        limits = self.key_limits
+
+        def check(new_calls: int) -> None:
+            limits.check_pending_calls(caller, sum(s.graph.pending_calls() for s in self._of(caller)), new_calls)
+        return check
+
+    def holdings(self) -> Iterator[Tuple[Optional[str], int, int]]:
+        """(key name, sessions, pending calls) of each session (the per-key metrics sum them)."""
+        for s in self.sessions.values():
+            yield key_name(s.caller), 1, s.graph.pending_calls()
 
     def authorize(self, request: Request, sid: str) -> Session:
         """The session ``sid`` if the request carries its token."""
