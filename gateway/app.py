@@ -36,7 +36,9 @@ from ..engine_ext.policies import ToolDurations
 from ..engine_ext.variant_engine import VariantEngine
 from . import http_guard as guard_
 from .config import GatewayConfig, ModelSpec, may_use_tool
+from .drain import Drain, DrainMiddleware
 from .errors import exception_handlers
+from .key_limits import ConcurrencyGuard, KeyLimits
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .models import ModelServer, load_engine, zoo_engine_specs
 from .retention import RetentionStore
@@ -58,6 +60,8 @@ class Gateway:
         self.engine_factory = engine_factory or load_engine
         self.extra_plugins = tuple(plugins)
         self.metrics = Metrics()
+        self.key_limits = KeyLimits(config)  # per API key: sessions, pending calls, chats in flight
+        self.metrics.registry.register(self.key_limits)
         self.models: Dict[str, ModelServer] = {}
         self.engines: List[Any] = []  # each started engine once (models may share one)
         self.host: Any = None
@@ -111,7 +115,11 @@ class Gateway:
                 self.models[spec.name] = ModelServer(spec.name, spec, engine, self.parsers.get(spec.parser),
                                                      durations=durations, retention=store)
                 self.metrics.watch_engine(spec.name, engine)
-            self.runtime = ToolRuntime(self.host.tools(), policy=self.host.before_tool_execution)
+            tools = self.host.tools()
+            grants = [cfg.server_tools, *(k.server_tools for k in cfg.api_keys)]  # every caller's, as permissions()
+            # a tool granted to nobody is left out where its sandbox cannot be built, not a failed start-up
+            self.runtime = ToolRuntime(tools, policy=self.host.before_tool_execution,
+                                       ungranted=[n for n in tools if not any(may_use_tool(g, n) for g in grants)])
             await self.runtime.start()
             if self.mcp is not None:  # servers that start (or restart with other tools) from now on
                 self.mcp.on_change = lambda server, tools, removed: self._mcp_tools(server)
@@ -120,7 +128,7 @@ class Gateway:
             self.services = Services(self.models, self.runtime, cfg.default_max_tokens,
                                      may_use_tool=lambda caller, tool: may_use_tool(
                                          guard_.permissions(cfg, caller)[0], tool), metrics=self.metrics)
-            self.sessions = SessionStore(self.services, cfg.sessions)
+            self.sessions = SessionStore(self.services, cfg.sessions, self.key_limits)
             self.metrics.sessions.set_function(lambda s=self.sessions: len(s.sessions))
             await self.sessions.start()
             self.host.startup(app)
@@ -192,10 +200,12 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
         return JSONResponse({"object": "list", "data": gw.host.list_plugins()})
 
     async def metrics(request: Request) -> Response:
+        guard_.authenticate_metrics(config, request)
         return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(openapi_document(routes))
+        return JSONResponse(openapi_document(routes, api_keys=bool(config.api_keys),
+                                             metrics_key=config.metrics_key is not None))
 
     routes = [
         Route("/health", health),
@@ -206,10 +216,14 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
         Route("/openapi.json", openapi),
         *semantic_routes(gw, config),
     ]
-    middleware = [Middleware(guard_.OriginGuard, allowed=config.cors_origins)]
+    drain = Drain()  # outermost: every request is tracked, and ended properly by the SIGTERM drain
+    middleware = [Middleware(DrainMiddleware, drain=drain), Middleware(guard_.OriginGuard, allowed=config.cors_origins)]
     if config.cors_origins:
         middleware.append(Middleware(CORSMiddleware, **guard_.cors_middleware_args(config)))
+    middleware.append(Middleware(ConcurrencyGuard, limits=gw.key_limits))  # after the origin and CORS checks
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers=exception_handlers(gw.metrics))
     app.state.gateway = gw
+    gw.metrics.bind_routes(routes)  # requests counted by route template, never by raw path
+    app.state.drain = drain  # gateway/server.py drains it on SIGTERM
     return app

@@ -13,6 +13,7 @@ variable is a configuration error too.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -161,6 +162,19 @@ MODEL_SCHEMA = {
     },
 }
 
+#: ``server.per_key`` and an API key's own ``limits`` (gateway/key_limits.py); null: the default share
+PER_KEY_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "description": "limits per API key (without keys: of all callers together); a key's own limits override "
+                   "server.per_key",
+    "properties": {
+        "max_sessions": {"type": ["integer", "null"], "minimum": 1,
+                         "description": "Semantic Variables sessions the key holds at once"},
+        "max_pending_calls": {"type": ["integer", "null"], "minimum": 1,
+                              "description": "semantic calls pending or running, over all the key's sessions"},
+        "max_concurrent_requests": {"type": ["integer", "null"], "minimum": 1,
+                                    "description": "chat completions the key has in flight at once"}}}
+
 SCHEMA = {
     "type": "object",
     "additionalProperties": False,
@@ -178,7 +192,8 @@ SCHEMA = {
                      "properties": {"key": {"type": "string", "minLength": 1},
                                     "name": {"type": "string", "pattern": "^[A-Za-z0-9_.:@-]{1,64}$"},
                                     "server_tools": SERVER_TOOLS_SCHEMA,
-                                    "replay": {"type": "boolean"}}},
+                                    "replay": {"type": "boolean"},
+                                    "limits": PER_KEY_SCHEMA}},
                 ]}},
                 "server_tools": SERVER_TOOLS_SCHEMA,
                 "replay": {"type": "boolean",
@@ -190,6 +205,29 @@ SCHEMA = {
                                        "description": "max_tokens of a request that does not say"},
                 "max_request_bytes": {"type": "integer", "minimum": 1024},
                 "max_tool_rounds": {"type": "integer", "minimum": 1, "maximum": 64},
+                "metrics_key": {"type": "string", "minLength": 16,
+                                "description": "a bearer token GET /metrics then needs (write it as "
+                                               "os.environ/NAME); unset: /metrics is open to whoever reaches "
+                                               "the port"},
+                "connections": {
+                    "type": "object", "additionalProperties": False,
+                    "description": "connection limits and read timeouts (gateway/connections.py)",
+                    "properties": {
+                        "max_connections": {"type": "integer", "minimum": 1,
+                                            "description": "open connections at most; at the cap a new one "
+                                                           "replaces the oldest still waiting for a request"},
+                        "header_timeout_s": {"type": "number", "exclusiveMinimum": 0,
+                                             "description": "seconds to receive a whole request head"},
+                        "body_timeout_s": {"type": "number", "exclusiveMinimum": 0,
+                                           "description": "seconds to receive a whole body, from its head"},
+                        "keep_alive_s": {"type": "number", "exclusiveMinimum": 0,
+                                         "description": "idle seconds between requests on a connection"},
+                        "backlog": {"type": "integer", "minimum": 1,
+                                    "description": "connections the kernel queues before they are accepted"}}},
+                "drain_s": {"type": "number", "minimum": 0,
+                            "description": "SIGTERM: seconds in-flight requests get to finish before each is "
+                                           "ended with a 503 (or an error event and [DONE])"},
+                "per_key": PER_KEY_SCHEMA,
                 "sessions": {
                     "type": "object", "additionalProperties": False,
                     "description": "Semantic Variables sessions (docs/semantic-variables.md)",
@@ -305,6 +343,25 @@ ServerTools = Union[bool, List[str]]
 
 
 @dataclass(frozen=True)
+class PerKeyLimits:
+    """What one API key may hold at once (gateway/key_limits.py): ``server.per_key``, or the key's ``limits``."""
+
+    max_sessions: int = 256
+    max_pending_calls: int = 1024
+    max_concurrent_requests: int = 256
+
+
+def per_key_defaults(sessions: "SessionsConfig", keys: int) -> PerKeyLimits:
+    """The limits of a key that ``server.per_key`` leaves unset: a share of the server's (all of it
+    without keys or with one key, half with two, a quarter from four keys on), so no key takes
+    everything while another is configured."""
+    share = min(4, max(1, keys))
+    return PerKeyLimits(max_sessions=max(1, sessions.max_sessions // share),
+                        max_pending_calls=max(1, 4 * sessions.max_pending_calls // share),
+                        max_concurrent_requests=max(1, 256 // share))
+
+
+@dataclass(frozen=True)
 class ApiKey:
     """One client's key, the name it is known by (logs, tool policy hooks) and its permissions."""
 
@@ -312,9 +369,11 @@ class ApiKey:
     name: str
     server_tools: ServerTools = False
     replay: bool = False
+    limits: PerKeyLimits = PerKeyLimits()  # server.per_key, overridden by the key's own limits
 
     def __repr__(self) -> str:  # never print the secret
-        return f"ApiKey(name={self.name!r}, server_tools={self.server_tools!r}, replay={self.replay!r})"
+        return (f"ApiKey(name={self.name!r}, server_tools={self.server_tools!r}, replay={self.replay!r}, "
+                f"limits={self.limits!r})")
 
 
 def may_use_tool(permission: ServerTools, tool: str) -> bool:
@@ -394,6 +453,17 @@ class SessionsConfig:
     max_bytes: int = 16 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class ConnectionsConfig:
+    """``server.connections``: how many connections, and how long a client may take to send a request."""
+
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0
+    backlog: int = 1024
+
+
 @dataclass
 class GatewayConfig:
     host: str
@@ -410,11 +480,15 @@ class GatewayConfig:
     cors_origins: List[str] = field(default_factory=list)
     default_max_tokens: int = 1024
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    per_key: PerKeyLimits = field(default_factory=PerKeyLimits)  # server.per_key, the defaults filled in
+    connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
+    drain_s: float = 30.0  # server.drain_s: SIGTERM's grace for in-flight requests
     source: str = "<dict>"
     zoo: Optional[str] = None  # the block zoo directory (None: the default)
     threads: Optional[int] = None  # engine.threads (None: the cores in the affinity mask)
     mcp_servers: Dict[str, McpServerSpec] = field(default_factory=dict)
-    raw: Dict[str, Any] = field(default_factory=dict)
+    metrics_key: Optional[str] = field(default=None, repr=False)  # server.metrics_key (None: /metrics is open)
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)  # secrets substituted: never printed
     def check_parsers(self, installed: Iterable[str]) -> None:
         """:class:`ConfigError` naming the first model whose parser is not ``installed``."""
         names = sorted(installed)
@@ -444,15 +518,25 @@ def _key_path(err: jsonschema.ValidationError) -> str:
     return out or "(top level)"
 
 
+def _per_key(server: Dict[str, Any], source: str) -> PerKeyLimits:
+    """``server.per_key`` over its defaults (:func:`per_key_defaults`)."""
+    sessions = _sessions(server.get("sessions") or {}, source)
+    base = per_key_defaults(sessions, len(server["api_keys"]))
+    return dataclasses.replace(base, **{k: v for k, v in (server.get("per_key") or {}).items() if v is not None})
+
+
 def _api_keys(server: Dict[str, Any], source: str) -> List[ApiKey]:
-    """Strings and objects to :class:`ApiKey`; a key's permissions default to the server's own.
+    """Strings and objects to :class:`ApiKey`; a key's permissions default to the server's own,
+    its limits to ``server.per_key``.
     A plain string key is named ``key<i>`` (its index), so logs never show the secret."""
     out: List[ApiKey] = []
+    per_key = _per_key(server, source)
     for i, k in enumerate(server["api_keys"]):
         k = {"key": k} if isinstance(k, str) else k
+        own = {n: v for n, v in (k.get("limits") or {}).items() if v is not None}
         out.append(ApiKey(key=k["key"], name=k.get("name", f"key{i}"),
                           server_tools=k.get("server_tools", server["server_tools"]),
-                          replay=k.get("replay", server["replay"])))
+                          replay=k.get("replay", server["replay"]), limits=dataclasses.replace(per_key, **own)))
     for what in ("key", "name"):
         seen = [getattr(k, what) for k in out]
         dup = next((i for i, v in enumerate(seen) if v in seen[:i]), None)
@@ -494,9 +578,13 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
                          max_request_bytes=server["max_request_bytes"], max_tool_rounds=server["max_tool_rounds"],
                          models=models, plugin_entrypoints=plugins["entrypoints"],
                          plugin_modules=list(plugins["modules"]), tools=dict(data.get("tools") or {}),
-                         sessions=_sessions(server.get("sessions") or {}, source), source=source, raw=data,
+                         sessions=_sessions(server.get("sessions") or {}, source), per_key=_per_key(server, source),
+                         connections=ConnectionsConfig(**{k: (float(v) if k.endswith("_s") else v)
+                                                          for k, v in (server.get("connections") or {}).items()}),
+                         drain_s=float(server.get("drain_s", 30.0)), source=source, raw=data,
                          zoo=data.get("zoo"), threads=(data.get("engine") or {}).get("threads"),
-                         mcp_servers=_mcp_servers(data.get("mcp_servers") or {}, source))
+                         mcp_servers=_mcp_servers(data.get("mcp_servers") or {}, source),
+                         metrics_key=server.get("metrics_key"))
 
 
 _CACHE_SIZING = frozenset({"kv_cache_tokens", "gpu_memory_utilization"})
