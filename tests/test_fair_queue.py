@@ -105,6 +105,33 @@ def test_the_native_scheduler_admits_another_tenants_request_before_a_bursts_bac
     assert finished.index("b") < finished.index("a2") and finished.index("b") < finished.index("a3"), finished
 
 
+def test_a_burst_that_fills_every_decode_slot_does_not_hold_another_tenant_out(tiny_dirs):
+    """Two decode slots, both held by tenant A's long requests: B's new request gets a slot in the
+    next step (the slots are dealt out between tenants) instead of waiting for one of A's to end."""
+    with NativeEngine.load(tiny_dirs["llama"][0], block_size=4, kv_cache_tokens=2048, max_seqs=2) as eng:
+        async def go():
+            for i, n in enumerate(["a1", "a2"]):
+                await eng.fill(n, [3, 4, 5, 6 + i])
+            finished = []
+
+            async def run(cid, tenant, max_tokens):
+                if cid == "b":  # a new request, as a chat is: its prompt's prefill waits for a slot too
+                    await eng.fill(cid, [3, 4, 5, 9], hint=RequestHint(tenant=tenant))
+                async for ev in eng.generate(cid, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                             hint=RequestHint(tenant=tenant)):
+                    if ev.finish_reason:
+                        finished.append(cid)
+
+            a = [asyncio.create_task(run(n, "A", 80)) for n in ("a1", "a2")]
+            while eng.load_stats()["running"] < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*a, run("b", "B", 4))
+            return finished
+
+        finished = asyncio.run(go())
+    assert finished[0] == "b", finished
+
+
 # ------------------------------------------------------------------ gateway
 KEY_A, KEY_B = "fair-key-a", "fair-key-b"
 MODEL = {"path": "embedded", "kv_cache_tokens": 4096, "dtype": "float32", "max_seqs": 2, "ranking": "fcfs"}
