@@ -10,6 +10,9 @@ fetched).  Same prompts, greedy decoding: the results must be equal, and the
 table says so.  Every HTTP request pays a simulated network delay (an ASGI
 middleware sleeps half of it before the request reaches the gateway and
 half before the answer leaves), so both modes pay the same per request.
+Each run's gateway and engine are released before the next run's start
+(``bench apps``' :class:`~interlace.bench.apps.Gateway`); ``--quick`` runs
+each mode once at ``bench apps --quick``'s sizes.
 """
 
 from __future__ import annotations
@@ -92,7 +95,6 @@ def chain_summary_chain(llm: Any, n: int) -> Any:
 def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
     from interlace.engine_ext.embedded import embedded_model_dir
     from interlace.engine_ext.tokenizer import Tokenizer
-    from interlace.sdk.langchain import ChatInterlace, to_semantic
 
     sizes = QUICK if args.quick else FULL
     chunks = chunk_text(Tokenizer(embedded_model_dir()), load_document(), args.chunks or sizes.chunks,
@@ -107,26 +109,31 @@ def run(args: argparse.Namespace) -> List[Dict[str, Any]]:
                 # a fresh gateway per run: no mode finds the other's prompts in the prefix cache
                 seed = f"{args.seed}:{name}:{rep}"
                 with Gateway(cfg, wrap=lambda app: DelayedASGI(app, lo, hi, seed)) as gw:
-                    llm = ChatInterlace(base_url=gw.url + "/v1", model=MODEL, temperature=0,
-                                        max_tokens=out_tokens, timeout=900)
-                    chain, inputs = ((mapreduce_chain(llm, len(chunks)), {"chunks": chunks}) if name == "mapreduce"
-                                     else (chain_summary_chain(llm, len(chunks)),
-                                           {f"chunk_{i}": c for i, c in enumerate(chunks)}))
-                    run_it = chain.invoke if mode.startswith("a") else to_semantic(chain).invoke
-                    llm.invoke("Hi", max_tokens=2)  # a fresh engine's first steps are slow
-                    eng, delayed = gw.engine, gw.served
-                    before, req0 = dict(eng.stats), delayed.requests
-                    t0 = time.monotonic()
-                    result = run_it(inputs)
-                    wall = time.monotonic() - t0
-                    rows.append({"app": name, "mode": mode, "repeat": rep, "e2e_s": wall,
-                                 "requests": delayed.requests - req0,
-                                 "prefill_tokens": eng.stats["prefill_tokens"] - before["prefill_tokens"],
-                                 "decode_tokens": eng.stats["decode_tokens"] - before["decode_tokens"],
-                                 "result": result})
-                print(f"  {name:9s} {mode:16s} run {rep}: {wall:6.2f} s, {rows[-1]['requests']} requests",
+                    rows.append(run_once(gw, name, mode, rep, chunks, out_tokens))
+                # (leaving the block closed the engine and collected it: Gateway's docstring says why)
+                print(f"  {name:9s} {mode:16s} run {rep}: {rows[-1]['e2e_s']:6.2f} s, {rows[-1]['requests']} requests",
                       flush=True)
     return rows
+
+
+def run_once(gw: Gateway, name: str, mode: str, rep: int, chunks: Sequence[str], out_tokens: int) -> Dict[str, Any]:
+    """One run of app ``name`` in ``mode`` on ``gw``; returns plain data and keeps no
+    reference to the engine, so leaving ``gw``'s block releases it."""
+    from interlace.sdk.langchain import ChatInterlace, to_semantic
+
+    llm = ChatInterlace(base_url=gw.url + "/v1", model=MODEL, temperature=0, max_tokens=out_tokens, timeout=900)
+    chain, inputs = ((mapreduce_chain(llm, len(chunks)), {"chunks": list(chunks)}) if name == "mapreduce"
+                     else (chain_summary_chain(llm, len(chunks)), {f"chunk_{i}": c for i, c in enumerate(chunks)}))
+    run_it = chain.invoke if mode.startswith("a") else to_semantic(chain).invoke
+    llm.invoke("Hi", max_tokens=2)  # a fresh engine's first steps are slow
+    before, req0 = dict(gw.engine.stats), gw.served.requests
+    t0 = time.monotonic()
+    result = run_it(inputs)
+    wall = time.monotonic() - t0
+    after = gw.engine.stats
+    return {"app": name, "mode": mode, "repeat": rep, "e2e_s": wall, "requests": gw.served.requests - req0,
+            "prefill_tokens": after["prefill_tokens"] - before["prefill_tokens"],
+            "decode_tokens": after["decode_tokens"] - before["decode_tokens"], "result": result}
 
 
 def table(rows: List[Dict[str, Any]], apps: Sequence[str]) -> List[str]:
@@ -151,8 +158,10 @@ def table(rows: List[Dict[str, Any]], apps: Sequence[str]) -> List[str]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="interlace bench langchain", description=__doc__.split("\n\n")[0])
     ap.add_argument("--apps", default="mapreduce,chain", help="comma-separated: mapreduce, chain")
-    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each mode (medians; the order alternates)")
+    ap.add_argument("--quick", action="store_true", help=f"small sizes (a smoke run): {QUICK.chunks} parts of "
+                    f"{QUICK.chunk_tokens} tokens, {QUICK.output_tokens} tokens per call, 1 run of each mode")
+    ap.add_argument("--repeats", type=int, help="runs of each mode (medians; the order alternates); default 3, "
+                                                "1 with --quick")
     ap.add_argument("--seed", type=int, default=0, help="seeds the network delays")
     ap.add_argument("--delay-ms", default="200,300", help="simulated network delay per HTTP request, uniform LO,HI")
     ap.add_argument("--chunks", type=int, help=f"document parts (default {FULL.chunks}; --quick {QUICK.chunks})")
@@ -167,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.apps = [a.strip() for a in args.apps.split(",") if a.strip()]
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     bad = [a for a in args.apps if a not in ("mapreduce", "chain")]
     if bad or args.repeats < 1:
         raise SystemExit(f"interlace bench langchain: unknown app(s) {bad}" if bad else "--repeats must be >= 1")
