@@ -36,6 +36,12 @@ How each piece maps onto the server
   background task (for this model; other clients' requests included).  The
   server's block size and block count come from ``vllm:cache_config_info``
   at start-up (block size 16 and no count where ``/metrics`` is missing).
+* Prefix-cache hits (``TokenEvent.cached_tokens``): every request asks for
+  the usage event (``stream_options.include_usage``) and reads its
+  ``prompt_tokens_details.cached_tokens``, which a vLLM server sends when
+  started with ``--enable-prompt-tokens-details`` (else none are reported).
+  The usage comes after a request's last token: a fill's prefill request
+  reports them, a generation's only if its stream is read to that event.
 
 Failures
 --------
@@ -178,6 +184,13 @@ def parse_cache_config(text: str) -> Dict[str, int]:
     return out
 
 
+def _cached_tokens(usage: Any) -> Optional[int]:
+    """``usage.prompt_tokens_details.cached_tokens`` of a server's event, if it has them."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
 class OpenAIEngine(RequestEngine):
     """:class:`~engine_ext.protocol.Engine` over a vLLM OpenAI-compatible
     server at ``url`` (its ``/v1`` base).  Build it with
@@ -226,6 +239,9 @@ class OpenAIEngine(RequestEngine):
             "stop_token_ids": [int(t) for t in sampling.stop_token_ids], "ignore_eos": sampling.ignore_eos,
             "skip_special_tokens": sampling.skip_special_tokens, "stream": True,
             "return_token_ids": True,  # each event carries the ids it adds (choices[0].token_ids)
+            # a last event with the usage: its prompt_tokens_details.cached_tokens are the prefix-cache
+            # hits (a vLLM server started with --enable-prompt-tokens-details sends them)
+            "stream_options": {"include_usage": True},
         }
         if sampling.top_k:
             body["top_k"] = sampling.top_k
@@ -264,6 +280,9 @@ class OpenAIEngine(RequestEngine):
                         chunk = self._chunk(choice, sampling)
                         finished = finished or chunk.finished
                         yield chunk
+                    cached = _cached_tokens(obj.get("usage"))
+                    if cached is not None:
+                        yield Chunk((), cached_tokens=cached)
             if not finished:
                 raise self._dead_now(f"{self.url} ended a stream before its last token")
         except E.EngineError:

@@ -101,6 +101,21 @@ class TokenEvent:
     An event with ``paused=True`` says the context has just been paused (its
     token, if any, is the one that completed a ``pause_on`` string); the stream
     continues after :meth:`Engine.resume`.
+
+    ``cached_tokens`` is set on the first event of a stream, on each paused
+    event and on the last (None on the others): the context's prompt tokens
+    whose KV the engine found already computed instead of computing them,
+    by mechanism (``"prefix_cache"``: blocks another context computed;
+    ``"fork"``: the parent's KV a fork started with), counted from the
+    context's creation or the end of its previous generation, whichever is
+    later (so the fills before a ``generate`` count toward it), each token
+    at most once (KV recomputed after a preemption or a discard is not a
+    saving).  Tokens a context computed itself in an earlier request are
+    not counted here: :meth:`Engine.computed_tokens` gives them (the
+    gateway adds them for an adopted context).  An engine whose backend
+    reports its prefix-cache hits only at a request's end (an OpenAI
+    server) reports them on the last event; the latest value is the one
+    that counts.
     """
 
     token_id: Optional[int]
@@ -108,6 +123,7 @@ class TokenEvent:
     logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     paused: bool = False
+    cached_tokens: Optional[Dict[str, int]] = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -75,6 +76,8 @@ class _Context:
     parent: Optional["_Context"] = None
     children: Set["_Context"] = field(default_factory=set)
     computed: int = 0                      # tokens a vLLM request has computed KV for (prefix-cache candidates)
+    hits: int = 0                          # tokens the backend's prefix cache served it (TokenEvent.cached_tokens)
+    forked: int = 0                        # computed tokens it was forked with
     gen: Optional[_Gen] = None
     busy: int = 0                          # fills in flight
     arrival: float = field(default_factory=time.time)
@@ -93,12 +96,15 @@ class _Context:
 class Chunk:
     """What a backend request stream yields: the tokens decoded since the
     last chunk (with their logprobs when asked), and whether the backend
-    ended the request itself (``finish_reason`` "length" or "stop")."""
+    ended the request itself (``finish_reason`` "length" or "stop").
+    ``cached_tokens``: the request's prompt tokens the backend's prefix
+    cache served (vLLM's ``num_cached_tokens``), where the backend says."""
 
     token_ids: Sequence[int]
     logprobs: Sequence[Optional[float]] = ()
     finished: bool = False
     finish_reason: Optional[str] = None
+    cached_tokens: Optional[int] = None
 
 
 class RequestEngine:
@@ -372,7 +378,8 @@ class RequestEngine:
 
     def _fork(self, cid: Hashable, parent: _Context) -> _Context:
         parent.parked = None
-        child = _Context(cid, list(parent.token_ids), parent=parent, computed=parent.computed)
+        child = _Context(cid, list(parent.token_ids), parent=parent, computed=parent.computed,
+                         forked=parent.computed)
         parent.children.add(child)
         self.contexts[cid] = child
         return child
@@ -454,10 +461,11 @@ class RequestEngine:
             return  # no whole block to compute (the cache keeps whole blocks only)
         rid = f"{self.name}-fill-{next(_ids)}"
         tokens = list(ctx.token_ids)
+        counted = ctx.computed
         async with contextlib.aclosing(self._open(rid, tokens, SamplingParams(max_tokens=1), 1,
                                                   self._extra(ctx, hint), None)) as stream:
-            async for _ in stream:
-                pass
+            async for chunk in stream:
+                counted = self._count_hits(ctx, chunk, len(tokens), counted)
         if ctx.token_ids[:len(tokens)] == tokens:
             ctx.computed = max(ctx.computed, len(tokens) // self.block_size * self.block_size)
 
@@ -549,12 +557,14 @@ class RequestEngine:
         max_tokens = min(sp.max_tokens - len(gen.generated), room)
         rid = f"{self.name}-{next(_ids)}"
         prompt = list(ctx.token_ids)
+        counted = ctx.computed  # what earlier requests of this context computed is not this one's saving
         try:
             if gen.generated:  # a resumed stream: what its processor constrains from here on
                 gen.grammar = self._segment_grammar(gen)
             async with contextlib.aclosing(self._open(rid, prompt, sp, max_tokens, self._extra(ctx, gen.hint),
                                                       gen.grammar)) as stream:
                 async for chunk in stream:
+                    counted = self._count_hits(ctx, chunk, len(prompt), counted)
                     ctx.computed = max(ctx.computed, len(prompt) // self.block_size * self.block_size)
                     lps = chunk.logprobs
                     for i, tok in enumerate(chunk.token_ids):
@@ -573,6 +583,24 @@ class RequestEngine:
         finally:
             if gen.task is asyncio.current_task():
                 gen.task = None
+
+    @staticmethod
+    def _count_hits(ctx: _Context, chunk: Chunk, prompt_len: int, counted: int) -> int:
+        """Book the prefix-cache hits a backend request reports (its chunks
+        may repeat the number): only the tokens past ``counted``, which
+        starts at what the context's own earlier requests computed.
+        Returns the new ``counted``."""
+        if chunk.cached_tokens is None:
+            return counted
+        c = min(int(chunk.cached_tokens), prompt_len)
+        if c > counted:
+            ctx.hits += c - counted
+            return c
+        return counted
+
+    @staticmethod
+    def _cached(ctx: _Context) -> Dict[str, int]:
+        return {"prefix_cache": ctx.hits, "fork": ctx.forked}
 
     def _translate(self, e: BaseException) -> BaseException:
         if isinstance(e, E.EngineError):
@@ -600,7 +628,7 @@ class RequestEngine:
             hint, gen.pause_hint = gen.pause_hint or PauseHint(), None
             self._pause(ctx, gen, hint, TokenEvent(tok, text, lp))
             return True
-        gen.emit(TokenEvent(tok, text, lp))
+        gen.emit(TokenEvent(tok, text, lp, cached_tokens=self._cached(ctx) if len(gen.generated) == 1 else None))
         return False
 
     def _finish(self, ctx: _Context, gen: _Gen, reason: str, event: Optional[TokenEvent] = None,
@@ -611,7 +639,8 @@ class RequestEngine:
         if gen.paused and ctx.paused_at is not None:
             self._observe_tool(ctx, gen)
         if emit:
-            gen.emit(event or TokenEvent(None, "", None, reason))
+            gen.emit(dataclasses.replace(event or TokenEvent(None, "", None, reason), cached_tokens=self._cached(ctx)))
+        ctx.hits = ctx.forked = 0  # reported: the next request counts its own
 
     def _fail(self, ctx: _Context, err: BaseException) -> None:
         gen = ctx.gen
@@ -619,6 +648,7 @@ class RequestEngine:
             return
         gen.done = True
         ctx.gen = None
+        ctx.hits = ctx.forked = 0
         if gen.task is not None and gen.task is not asyncio.current_task():
             gen.task.cancel()
         gen.emit(err)
@@ -631,7 +661,7 @@ class RequestEngine:
         ctx.paused_at = time.monotonic()
         ev = event or TokenEvent(None, "")
         text, gen.held = ev.text + gen.held, ""
-        gen.emit(TokenEvent(ev.token_id, text, ev.logprob, None, paused=True))
+        gen.emit(TokenEvent(ev.token_id, text, ev.logprob, None, paused=True, cached_tokens=self._cached(ctx)))
 
     def _observe_tool(self, ctx: _Context, gen: _Gen) -> None:
         durations = getattr(self.interception, "durations", None)

@@ -25,6 +25,10 @@ if TYPE_CHECKING:  # the seams' types (imports for annotations only)
     from ..engine_ext.protocol import Engine
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+#: How a prompt token's KV can already exist (``interlace_prefill_tokens_saved``'s label):
+#: the engine's prefix cache, a retained context adopted by a client-side tool call's follow-up
+#: (gateway/retention.py), a fork's parent (Semantic Variables' shared prefixes).
+SAVED_BY = ("prefix_cache", "retention", "fork")
 #: The endpoint label of a path no route matches.
 UNMATCHED = "<unmatched>"
 
@@ -60,8 +64,13 @@ class Metrics:
         self.requests = Counter("interlace_requests", "HTTP API requests", ["endpoint", "model", "status"],
                                 registry=r)
         self.tokens = Counter("interlace_tokens", "Tokens processed", ["model", "kind"], registry=r)
-        self.ttft = Histogram("interlace_time_to_first_token_seconds", "Time to first token", ["model"],
+        self.ttft = Histogram("interlace_time_to_first_token_seconds",
+                              "Time from a request's arrival to its first token (content or tool call)", ["model"],
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_saved_tokens = Counter(
+            "interlace_prefill_tokens_saved", "Prompt tokens served from KV that already existed instead of "
+            "prefilled (usage.prompt_tokens_details.cached_tokens), by mechanism", ["model", "mechanism"],
+            registry=r)
         self.tool_calls = Counter("interlace_tool_calls", "Server-side tool calls", ["tool", "outcome"],
                                   registry=r)
         self.tool_latency = Histogram("interlace_tool_latency_seconds", "Tool call latency (start to result)",
@@ -76,9 +85,6 @@ class Metrics:
                                       ["model"], registry=r)
         self.retention_misses = Counter("interlace_retention_misses", "Requests with no retained context to adopt",
                                         ["model"], registry=r)
-        self.retention_saved_tokens = Counter(
-            "interlace_retention_prefill_tokens_saved", "Prompt tokens not prefilled again thanks to retention",
-            ["model"], registry=r)
         self.retention_evictions = Counter("interlace_retention_evictions", "Retained contexts freed unused",
                                            ["model", "reason"], registry=r)
         self.retention_contexts = Gauge("interlace_retention_contexts", "Contexts retained now", ["model"],
@@ -124,8 +130,12 @@ class Metrics:
     def retention_lookup(self, model: str, hit: bool) -> None:
         (self.retention_hits if hit else self.retention_misses).labels(model).inc()
 
-    def retention_saved(self, model: str, tokens: int) -> None:
-        self.retention_saved_tokens.labels(model).inc(max(0, tokens))
+    def prefill_saved(self, model: str, saved: Dict[str, int]) -> None:
+        """Count prompt tokens not prefilled, by mechanism (:data:`SAVED_BY`; an engine's
+        other keys are not labels: the label set stays the server's)."""
+        for mechanism, tokens in saved.items():
+            if mechanism in SAVED_BY and tokens > 0:
+                self.prefill_saved_tokens.labels(model, mechanism).inc(tokens)
 
     def retention_evicted(self, model: str, reason: str) -> None:
         self.retention_evictions.labels(model, reason).inc()

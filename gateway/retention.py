@@ -11,8 +11,10 @@ its KV like any paused context's, with the expected gap learned per model and
 tool name (by the engine, from park to adoption).  A later request of the same caller whose prompt tokens start with
 a retained context's tokens *adopts* it: only the rest of the prompt is
 filled in, and the tokens not recomputed are reported as OpenAI's
-``usage.prompt_tokens_details.cached_tokens``.  Standard clients benefit with
-no extension.
+``usage.prompt_tokens_details.cached_tokens`` (with the prefix cache's hits
+on the rest of the prompt, which the engine reports) and counted in
+``interlace_prefill_tokens_saved{mechanism="retention"}``.  Standard clients
+benefit with no extension.
 
 Tenants never adopt each other's contexts (the owner must match), a context
 is adopted at most once (it leaves the store), and retained contexts are
@@ -159,7 +161,7 @@ class RetentionStore:
     def adopted(self, saved_tokens: int) -> None:
         """An adoption went through: ``saved_tokens`` were not prefilled again."""
         if self.metrics is not None:
-            self.metrics.retention_saved(self.model, saved_tokens)
+            self.metrics.prefill_saved(self.model, {"retention": saved_tokens})
 
     # ----------------------------------------------------------- retention
     def retain(self, owner: Optional[str], ctx: Any, tokens: Sequence[int], tool: Optional[str],

@@ -639,6 +639,29 @@ async def test_computed_tokens_after_a_fill_is_the_whole_context(engine, ctx, pr
         assert kept == n
 
 
+async def test_cached_tokens_report_the_prefix_caches_hits_and_a_forks_parent(engine, ctx, tok):
+    """What ``usage.prompt_tokens_details.cached_tokens`` is made of: the first event and the
+    last of a stream say how many prompt tokens came from KV that existed -- none for a prompt
+    nobody sent before, whole blocks (never the last token) for the same prompt again, and a
+    fork's parent's KV; each generation counts only its own (they are reset when it ends)."""
+    bs = getattr(engine, "block_size", None) or engine.replicas[0].engine.block_size  # a ReplicaSet: its replicas'
+    prompt = tok.encode(f"{time.time_ns()} is a number nobody wrote before.")
+    while len(prompt) <= 2 * bs + 1:  # two whole blocks and more (vLLM's CPU build: blocks of 128)
+        prompt += tok.encode(" The sheep count one by one.")
+    a, b, c = ctx.new("a"), ctx.new("b"), ctx.new("c")
+    await w(engine.fill(a, prompt))
+    evs = await events(engine, a, sp(2))
+    assert evs[0].cached_tokens == evs[-1].cached_tokens == {"prefix_cache": 0, "fork": 0}
+    await w(engine.fill(b, prompt))
+    evs = await events(engine, b, sp(2))
+    hit = evs[-1].cached_tokens["prefix_cache"]
+    assert evs[0].cached_tokens == evs[-1].cached_tokens and evs[-1].cached_tokens["fork"] == 0
+    assert hit == (len(prompt) - 1) // bs * bs  # every whole block before the prompt's last token
+    assert (await events(engine, b, sp(2)))[-1].cached_tokens == {"prefix_cache": 0, "fork": 0}  # reported
+    evs = await events(engine, c, sp(2), parent_context_id=b)
+    assert 0 < evs[-1].cached_tokens["fork"] <= len(prompt) + 4 and evs[-1].cached_tokens["prefix_cache"] == 0
+
+
 async def test_truncate_keeps_the_first_n_tokens(engine, ctx, prompts):
     a, p, n = ctx.new("a"), prompts["chat"], 35
     await w(engine.fill(a, p))

@@ -89,3 +89,24 @@ def test_a_forked_fill_uses_the_prefix_cache_for_its_own_tokens(tiny_dirs):
             return await ref.last_logits("x")
         expected = asyncio.run(plain())
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_hits_count_what_the_cache_covered_once():
+    """``hits`` (a request's cached_tokens) counts the positions the cache covered; blocks found
+    again after the table was released (a preemption, a discard) are a recomputation avoided,
+    not prompt tokens served from cache, and are not counted twice."""
+    bm = BlockManager(32, BS, hash_key=b"k" * 32)
+    seq = list(range(1, 15))  # 3 full blocks + 2 tokens
+    _cache(bm, seq)
+    t = BlockTable()
+    assert bm.match_prefix(t, seq) == 3 * BS and t.hits == 3 * BS
+    bm.prepare_append(t, 3 * BS, len(seq))  # the rest computed here
+    bm.seal_full_blocks(t, seq, len(seq))
+    assert t.high == len(seq)
+    bm.release(t)  # preempted
+    assert bm.match_prefix(t, seq) == 3 * BS and t.hits == 3 * BS  # found again: not counted again
+    bm.release(t)
+    t.high = 0  # a new request on it (the engine resets high as a fill starts one)
+    assert bm.match_prefix(t, seq) == 3 * BS and t.hits == 6 * BS
+    bm.release(t)
+    bm.check_invariants()

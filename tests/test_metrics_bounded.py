@@ -5,6 +5,7 @@ the page to 354 MB and put other clients' session and variable ids in it."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
 import httpx
@@ -126,3 +127,41 @@ def test_metrics_key_is_required_when_configured(monkeypatch):
 def test_metrics_key_too_short_is_a_config_error():
     with pytest.raises(ConfigError, match="metrics_key"):
         parse_config({"server": {"metrics_key": "short"}, "models": {"m": {"path": "embedded"}}})
+
+
+def _ttft(page: str) -> tuple:
+    """(count, sum) of ``interlace_time_to_first_token_seconds`` for the served model."""
+    values = {}
+    for ln in series(page):
+        for part in ("_count", "_sum"):
+            if ln.startswith(f"interlace_time_to_first_token_seconds{part}{{") and 'model="smollm2"' in ln:
+                values[part] = float(ln.rsplit(" ", 1)[1])
+    return values.get("_count", 0.0), values.get("_sum", 0.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_time_to_first_token_counts_from_the_requests_arrival(gw, stream):
+    """The first token of a request whose prefill is held up DELAY seconds (the engine's fill,
+    delayed here) is recorded at DELAY or more, streamed or not: the clock starts when the request
+    arrives, not when the stream's first event already exists (0.17 ms recorded for a first token
+    that reached the client at 1.9 s); a non-streamed request is observed too."""
+    delay = 0.6
+    engine = gw.gateway.models["smollm2"].engine
+    real_fill = engine.fill
+
+    async def slow_fill(*args, **kw):
+        await asyncio.sleep(delay)
+        return await real_fill(*args, **kw)
+
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": stream}
+    with httpx.Client(base_url=gw.url, timeout=120) as client:
+        count, total = _ttft(client.get("/metrics").text)
+        engine.fill = slow_fill
+        try:
+            r = client.post("/v1/chat/completions", json=body)
+        finally:
+            del engine.fill  # the class's own again
+        assert r.status_code == 200, r.text
+        after_count, after_total = _ttft(client.get("/metrics").text)
+    assert after_count == count + 1
+    assert after_total - total >= delay

@@ -66,11 +66,22 @@ class BlockTable:
 
     ``root`` starts the hash chain: a model variant whose weights give other
     KV (``native/block_sharing.py``) has its own root, so its blocks are never
-    found by another variant's prefix (None: the base model's chain)."""
+    found by another variant's prefix (None: the base model's chain).
+
+    What the prefix cache saved (``usage.prompt_tokens_details.cached_tokens``):
+    ``hits`` counts the positions the cache covered that the table had not
+    covered before, ``forked`` the computed positions a fork's table started
+    with (its owner takes and resets both once a request is answered);
+    ``high`` is how far the table has been covered since the
+    current request began, so a block found again after a preemption or a
+    discard is a recomputation avoided, not a prompt token served from cache."""
 
     blocks: List[int] = field(default_factory=list)
     hashes: List[bytes] = field(default_factory=list)
     root: Optional[bytes] = None
+    hits: int = 0
+    forked: int = 0
+    high: int = 0
 
     def copy(self) -> "BlockTable":
         return BlockTable(list(self.blocks), list(self.hashes), self.root)
@@ -207,6 +218,8 @@ class BlockManager:
         if i == start:
             return num_computed
         self.stats["prefix_hit_blocks"] += i - start
+        table.hits += max(0, i * bs - max(num_computed, table.high))
+        table.high = max(table.high, i * bs)
         return i * bs
 
     def blocks_needed(self, table: BlockTable, start: int, end: int) -> int:
@@ -243,6 +256,7 @@ class BlockManager:
     def seal_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Register every full, computed block not yet hashed, so later
         contexts with the same prefix can reuse it."""
+        table.high = max(table.high, num_computed)
         if not self.prefix_caching:
             return
         bs = self.block_size

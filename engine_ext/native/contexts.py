@@ -130,6 +130,7 @@ class ContextCommands:
                         last_logits=parent.last_logits if computed == parent.num_computed else None,
                         variant=parent.variant)
         child.recompute_end = parent.num_computed if computed < parent.num_computed else 0
+        child.table.forked = child.table.high = computed  # served from the parent's KV (cached_tokens)
         parent.children.add(child)
         self.contexts[cid] = child
         return child
@@ -159,6 +160,9 @@ class ContextCommands:
             self._check_tokens(tokens, allow_empty=True)
             self._check_len(len(ctx.token_ids) + len(tokens))
             self.interceptor.unpark(ctx)
+            # a new request on a kept context (an adopted one): the KV it holds now is the caller's to
+            # count (computed_tokens); what the prefix cache gives from here on is this request's saving
+            ctx.table.high = ctx.num_computed
         if hint is not None:
             ctx.sched.objective, ctx.sched.task_group = hint.objective, hint.task_group
             ctx.sched.tenant = hint.tenant
@@ -211,6 +215,7 @@ class ContextCommands:
             return
         del ctx.token_ids[n:]
         ctx.last_logits = None
+        ctx.table.high = min(ctx.table.high, n)
         if ctx.num_computed > n:  # its KV past n may be in cached blocks: recompute
             self.scheduler.preempt(ctx)
         if not ctx.num_uncomputed:
@@ -339,6 +344,7 @@ class ContextCommands:
         self.blocks.truncate(ctx.table, keep)
         del ctx.token_ids[n:]
         ctx.num_computed = min(ctx.num_computed, keep * self.block_size)
+        ctx.table.high = min(ctx.table.high, n)
         ctx.recompute_end = min(ctx.recompute_end, n)
         ctx.last_logits = ctx.last_fill = None
         fut.set_result(ctx.num_computed)

@@ -21,7 +21,8 @@ fills is the context commands' (``contexts.py``).
 
 from __future__ import annotations
 
-from typing import FrozenSet, List, Optional
+import dataclasses
+from typing import Dict, FrozenSet, List, Optional
 
 import torch
 
@@ -120,7 +121,7 @@ class TokenOutput:
             hint, gen.pause_hint = gen.pause_hint or PauseHint(), None
             self.pause(ctx, hint, TokenEvent(tok, text, lp))
             return
-        gen.emit(TokenEvent(tok, text, lp))
+        gen.emit(TokenEvent(tok, text, lp, cached_tokens=cached_tokens(ctx) if len(gen.generated) == 1 else None))
         if ctx not in self.scheduler.active:
             self.scheduler.add(ctx)
 
@@ -140,7 +141,7 @@ class TokenOutput:
         ev = token_event or TokenEvent(None, "")
         # text held back as a possible stop string ends here: what follows is the tool's output
         text, gen.held = ev.text + gen.held, ""
-        gen.emit(TokenEvent(ev.token_id, text, ev.logprob, None, paused=True))
+        gen.emit(TokenEvent(ev.token_id, text, ev.logprob, None, paused=True, cached_tokens=cached_tokens(ctx)))
 
     def finish(self, ctx: Context, reason: str, event: Optional[TokenEvent] = None, emit: bool = True) -> None:
         gen = ctx.gen
@@ -150,7 +151,8 @@ class TokenOutput:
             self.interceptor.end(ctx, returned=False)
         self._stop(ctx)
         if emit:
-            gen.emit(event or TokenEvent(None, "", None, reason))
+            gen.emit(dataclasses.replace(event or TokenEvent(None, "", None, reason), cached_tokens=cached_tokens(ctx)))
+        ctx.table.hits = ctx.table.forked = 0  # reported: the next request counts its own
 
     def fail(self, ctx: Context, err: Exception) -> None:
         """The generation of ``ctx`` (if any) cannot proceed: its stream ends with ``err``."""
@@ -161,7 +163,14 @@ class TokenOutput:
             ctx.gen = None
             if ctx.intercept is not None and not ctx.intercept.parked:
                 self.interceptor.end(ctx, returned=False)
+            ctx.table.hits = ctx.table.forked = 0
             gen.emit(err)
 
 
-__all__ = ["TokenOutput"]
+def cached_tokens(ctx: Context) -> Dict[str, int]:
+    """What a stream reports as :attr:`TokenEvent.cached_tokens`: the positions of ``ctx`` the
+    prefix cache or its fork's parent gave since its previous generation ended."""
+    return {"prefix_cache": ctx.table.hits, "fork": ctx.table.forked}
+
+
+__all__ = ["TokenOutput", "cached_tokens"]

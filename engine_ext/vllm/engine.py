@@ -152,7 +152,9 @@ class VLLMEngine(RequestEngine):
                     for tok, entry in zip(o.token_ids, o.logprobs or []):
                         lp = entry.get(tok) if entry else None
                         lps.append(float(lp.logprob) if lp is not None else None)
-                yield Chunk(list(o.token_ids), lps, out.finished, o.finish_reason)
+                # num_cached_tokens: the prompt's prefix-cache hits, in whole blocks (None before scheduling)
+                yield Chunk(list(o.token_ids), lps, out.finished, o.finish_reason,
+                            getattr(out, "num_cached_tokens", None))
         finally:
             await stream.aclose()  # aborts the vLLM request if it is still running
 

@@ -63,6 +63,7 @@ class Usage:
     completion_tokens: int = 0
     filled_tokens: int = 0      # sent to the engine to fill (its block cache may skip some)
     forked_tokens: int = 0      # taken by forking a shared prefix context instead
+    cached_tokens: int = 0      # served from KV that existed (the engine's prefix cache, the fork's parent)
 
 
 class Services:
@@ -311,7 +312,9 @@ class SessionGraph:
             forked = (shared.entry.tokens - shared.filled) if shared else 0
             self.usage.filled_tokens += filled
             self.usage.forked_tokens += forked
+            self.usage.cached_tokens += forked
             if self.services.metrics is not None:
+                self.services.metrics.prefill_saved(call.model, {"fork": forked})
                 self.services.metrics.semantic_tokens.labels(call.model, "filled").inc(filled)
                 self.services.metrics.semantic_tokens.labels(call.model, "forked").inc(forked)
             first = next(i for i, (k, _) in enumerate(call.items) if k == "output")
@@ -340,12 +343,21 @@ class SessionGraph:
 
     async def _generate(self, call: Call, engine: Engine, ctx: ContextId, out: Output) -> None:
         text: List[str] = []
+        cached: Dict[str, int] = {}
         async for ev in engine.generate(ctx, out.sampling, hint=call.hint()):
+            if ev.cached_tokens is not None:
+                cached = ev.cached_tokens  # the fills' since the last output (the engine counts, then resets)
             if ev.token_id is not None:
                 self.usage.completion_tokens += 1
             if ev.text:
                 text.append(ev.text)
                 out.var.push(ev.text)
+        # the prefix cache's hits; a fork's are counted as forked_tokens (the engine cannot tell the
+        # shared prefix the call itself filled first from one another call filled)
+        hits = cached.get("prefix_cache", 0)
+        self.usage.cached_tokens += hits
+        if self.services.metrics is not None:
+            self.services.metrics.prefill_saved(call.model, {"prefix_cache": hits})
         raw = "".join(text)
         # RE2 releases the GIL: a long output's transform runs beside the loop, not on it
         value = await asyncio.to_thread(out.transform.apply, raw) if out.transform is not None else raw
@@ -458,4 +470,5 @@ class SessionGraph:
         u = self.usage
         return {"variables": len(self.variables), "calls": states,
                 "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                          "filled_tokens": u.filled_tokens, "forked_tokens": u.forked_tokens, "bytes": self.nbytes}}
+                          "filled_tokens": u.filled_tokens, "forked_tokens": u.forked_tokens,
+                          "cached_tokens": u.cached_tokens, "bytes": self.nbytes}}
