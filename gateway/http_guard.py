@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
+from urllib.parse import urlsplit
 from typing import Any, Awaitable, Dict, Iterable, List, Optional, TypeVar
 
 from starlette.datastructures import Headers
@@ -30,6 +32,20 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ identity
+#: The challenge of every 401 (RFC 6750): the gateway takes bearer tokens (API keys) and is no
+#: OAuth resource server, so there is no ``resource_metadata``.  Without a challenge MCP clients
+#: (the MCP Inspector) assume OAuth and go looking for its discovery documents.
+BEARER_REALM = 'Bearer realm="interlace"'
+
+
+def unauthorized(message: str, request: Request) -> APIError:
+    """A 401 in the API's shape with its ``WWW-Authenticate`` challenge; ``error="invalid_token"``
+    only when a token was sent (RFC 6750 3.1: a request without credentials gets no error code)."""
+    challenge = BEARER_REALM + (', error="invalid_token"' if bearer_token(request) else "")
+    return APIError(401, message, "invalid_request_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": challenge})
+
+
 def bearer_token(request: Request) -> str:
     """The token of an ``Authorization: Bearer ...`` header, or ''."""
     auth = request.headers.get("authorization", "")
@@ -49,8 +65,7 @@ def authenticate(config: GatewayConfig, request: Request) -> Optional[ApiKey]:
         if hmac.compare_digest(token.encode(), key.key.encode()) and token:
             found = key
     if found is None:
-        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                       "invalid_request_error", code="invalid_api_key")
+        raise unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')", request)
     return found
 
 
@@ -60,8 +75,8 @@ def authenticate_metrics(config: GatewayConfig, request: Request) -> None:
     if config.metrics_key is None:
         return
     if not hmac.compare_digest(bearer_token(request).encode(), config.metrics_key.encode()):
-        raise APIError(401, "invalid or missing metrics key (send 'Authorization: Bearer <server.metrics_key>')",
-                       "invalid_request_error", code="invalid_api_key")
+        raise unauthorized("invalid or missing metrics key (send 'Authorization: Bearer <server.metrics_key>')",
+                           request)
 
 
 def permissions(config: GatewayConfig, caller: Optional[ApiKey]) -> tuple[ServerTools, bool]:
@@ -199,27 +214,66 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 # ------------------------------------------------------------------- origin
+def same_origin(origin: str, scope: Scope) -> bool:
+    """Whether ``origin`` is the origin the request was sent to -- scheme, host and port equal to
+    the connection's scheme and its ``Host`` header -- *and* that ``Host`` names this machine by
+    address (an IP literal) or as ``localhost``.
+
+    A DNS-rebinding page is same-origin too, but under the attacker's DNS name
+    (``Host: evil.example``): only a name can be rebound, so such a request is
+    still refused.  A page whose origin is ``http://127.0.0.1:8000`` was served
+    by whatever listens on that port, i.e. by this server."""
+    host = Headers(scope=scope).get("host")
+    scheme = scope.get("scheme", "http")
+    if not host:
+        return False
+    try:
+        got, own = urlsplit(origin), urlsplit(f"{scheme}://{host}")
+        ports = (got.port, own.port)
+    except ValueError:  # a malformed port or address
+        return False
+    default = 443 if scheme == "https" else 80
+    if (got.scheme, got.hostname, ports[0] or default) != (scheme, own.hostname, ports[1] or default):
+        return False
+    if got.path or got.query or got.fragment or got.username is not None or own.path or own.username is not None:
+        return False
+    return own.hostname is not None and _unrebindable(own.hostname)
+
+
+def _unrebindable(hostname: str) -> bool:
+    """An IP literal or ``localhost``: names no DNS server can point at this machine."""
+    if hostname == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(hostname)
+    except ValueError:
+        return False
+    return True
+
+
 class OriginGuard:
-    """Refuses (403) every request whose ``Origin`` header is not an allowed origin.
+    """Refuses (403) every request whose ``Origin`` header is neither an allowed origin
+    nor the server's own (:func:`same_origin`).
 
     Browsers add ``Origin`` to cross-origin requests and to every POST; other
     clients (SDKs, curl) do not send it.  CORS headers alone would only stop a
     page from *reading* the answer -- the request would still run -- so a
-    foreign origin is refused before any route sees it.  Same-origin requests
-    are refused too unless listed: the gateway serves no pages of its own, and
-    a DNS-rebinding page looks same-origin."""
+    foreign origin is refused before any route sees it.  A same-origin request
+    passes only when its ``Host`` is an address or ``localhost``: a
+    DNS-rebinding page looks same-origin, but under a DNS name
+    (docs/security.md, "Browsers: Content-Type, Origin, CORS")."""
 
     def __init__(self, app: ASGIApp, allowed: Iterable[str] = ()):
         self.app = app
         self.allowed = {o.rstrip("/") for o in allowed}
 
-    def allows(self, origin: str) -> bool:
-        return "*" in self.allowed or origin.rstrip("/") in self.allowed
+    def allows(self, origin: str, scope: Scope) -> bool:
+        return "*" in self.allowed or origin.rstrip("/") in self.allowed or same_origin(origin, scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             origin = Headers(scope=scope).get("origin")
-            if origin is not None and not self.allows(origin):
+            if origin is not None and not self.allows(origin, scope):
                 err = APIError(403, f"requests from the browser origin {origin!r} are not allowed "
                                     "(server.cors_origins)", "permission_error", code="origin_not_allowed")
                 await err.response()(scope, receive, send)

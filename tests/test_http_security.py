@@ -92,6 +92,29 @@ def test_foreign_origin_is_403(default_gw, method, path):
     assert "access-control-allow-origin" not in r.headers
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
+def test_the_gateways_own_origin_is_allowed(default_gw, host):
+    """A page the gateway's own address served (Origin == scheme://Host, Host an address or
+    localhost) is same-origin; the MCP conformance suite's DNS-rebinding check expects 2xx."""
+    own = f"{host}:{default_gw.port}"
+    r = post(default_gw, {"model": "smollm2", "messages": USER, "max_tokens": 1}, Host=own, Origin=f"http://{own}")
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("host,origin", [
+    ("evil.example:{port}", "http://evil.example:{port}"),  # DNS rebinding: same-origin under the attacker's name
+    ("127.0.0.1:{port}", "http://localhost:{port}"),  # another origin of the same machine
+    ("127.0.0.1:{port}", "http://127.0.0.1:{other}"),  # a local page on another port
+    ("127.0.0.1:{port}", "https://127.0.0.1:{port}"),  # another scheme
+    ("127.0.0.1:{port}", "null"),  # an opaque origin (sandboxed iframe, file://)
+])
+def test_other_origins_than_the_own_are_still_403(default_gw, host, origin):
+    fill = {"port": default_gw.port, "other": default_gw.port + 1}
+    r = post(default_gw, {"model": "smollm2", "messages": USER, "max_tokens": 1},
+             Host=host.format(**fill), Origin=origin.format(**fill))
+    assert_error(r, 403, "origin_not_allowed")
+
+
 def test_content_length_over_limit_is_refused_before_reading(default_gw):
     """The declared size alone is enough: nothing of the body is sent."""
     with socket.create_connection(("127.0.0.1", default_gw.port), timeout=10) as s:
@@ -132,9 +155,17 @@ def keyed_gw(recorder):
         yield gw
 
 
-def test_missing_or_wrong_key_is_401(keyed_gw):
-    assert_error(post(keyed_gw, {"model": "smollm2", "messages": USER}), 401, "invalid_api_key")
-    assert_error(post(keyed_gw, {"model": "smollm2", "messages": USER}, key="k-wrong"), 401, "invalid_api_key")
+def test_missing_or_wrong_key_is_401_with_a_bearer_challenge(keyed_gw):
+    """RFC 6750: the 401 names the scheme (no OAuth, so no resource_metadata); an error code
+    only when a token was sent."""
+    r = post(keyed_gw, {"model": "smollm2", "messages": USER})
+    assert_error(r, 401, "invalid_api_key")
+    assert r.headers["www-authenticate"] == 'Bearer realm="interlace"'
+    r = post(keyed_gw, {"model": "smollm2", "messages": USER}, key="k-wrong")
+    assert_error(r, 401, "invalid_api_key")
+    assert r.headers["www-authenticate"] == 'Bearer realm="interlace", error="invalid_token"'
+    r = httpx.get(keyed_gw.url + "/v1/models", timeout=60)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == 'Bearer realm="interlace"', r.text
 
 
 @pytest.mark.parametrize("key,ext,param,needle", [

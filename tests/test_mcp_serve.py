@@ -327,11 +327,16 @@ def keyed_server(tmp_path):
 async def test_http_keys_decide_what_each_caller_sees_and_runs(keyed_server):
     server = keyed_server
     # no key, a wrong key: 401 in the gateway's JSON shape, before the MCP layer
+    # no key, a wrong key: 401 in the gateway's JSON shape, before the MCP layer, with an RFC 6750
+    # bearer challenge (without one the MCP Inspector assumes OAuth); no resource_metadata: no OAuth here
     for key in (None, "not-a-key", LIMITED + "x"):
         r = mcp_post(server, INITIALIZE, key)
         assert r.status_code == 401, r.text
         assert r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.url, timeout=30).status_code == 401
+        challenge = 'Bearer realm="interlace"' + (', error="invalid_token"' if key else "")
+        assert r.headers["www-authenticate"] == challenge
+    r = httpx.get(server.url, timeout=30)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == 'Bearer realm="interlace"'
 
     for mode in ("legacy", "auto"):  # the handshake era and the 2026 per-request era reach the handlers differently
         assert await tool_names(server, LIMITED, mode) == ["calculator"]
@@ -373,6 +378,13 @@ def test_http_sessions_belong_to_their_key_and_browser_requests_are_refused(keye
     assert r.status_code == 403, r.text
     r = mcp_post(server, INITIALIZE, FULL, Host="evil.example")  # DNS rebinding: the SDK's own check
     assert r.status_code == 421, r.text
+    # DNS rebinding as the conformance suite sends it: same-origin under the attacker's name
+    evil = f"evil.example:{server.port}"
+    r = mcp_post(server, INITIALIZE, FULL, Host=evil, Origin=f"http://{evil}")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+    for own in (f"127.0.0.1:{server.port}", f"localhost:{server.port}"):  # the server's own origin
+        r = mcp_post(server, INITIALIZE, FULL, Host=own, Origin=f"http://{own}")
+        assert r.status_code == 200 and r.headers["mcp-session-id"], r.text
     r = mcp_post(server, INITIALIZE, FULL, **{"Content-Type": "text/plain"})  # a form a page could post
     assert r.status_code == 400, r.text
     big = {**INITIALIZE, "params": {**INITIALIZE["params"], "pad": "x" * 70000}}
@@ -383,6 +395,13 @@ async def test_http_without_keys_serves_the_server_level_tools_with_a_warning(tm
     server = HttpServer(tmp_path, {"server_tools": ["calculator"]})
     try:
         assert await tool_names(server, None, "legacy") == ["calculator"]
+        # the conformance suite's DNS-rebinding check (servers without authentication): the own
+        # origin is served, the attacker's name is refused
+        own = f"127.0.0.1:{server.port}"
+        r = mcp_post(server, INITIALIZE, Host=own, Origin=f"http://{own}")
+        assert r.status_code == 200 and '"serverInfo"' in r.text, r.text
+        evil = f"evil.example:{server.port}"
+        assert mcp_post(server, INITIALIZE, Host=evil, Origin=f"http://{evil}").status_code == 403
         # a tool nobody may use is not served at all: no workers, unknown to every caller
         assert len(psutil.Process(server.proc.pid).children()) == CalculatorTool.workers
         r = await call(server, None, "auto", "format", {"template": "x"})

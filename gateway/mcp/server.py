@@ -18,9 +18,13 @@ Who may call what (docs/security.md, "The HTTP surface"):
   ``server_tools`` decides which tools it sees and may call; without keys
   everyone gets the server-level ``server.server_tools`` (``false`` by
   default, so the default configuration serves nothing over HTTP and
-  :func:`check_http_tools` refuses to start).  Browser origins are refused
-  as the gateway refuses them (``server.cors_origins``), and the SDK's
-  DNS-rebinding protection stays on for loopback hosts.
+  :func:`check_http_tools` refuses to start).  A 401 carries
+  ``WWW-Authenticate: Bearer realm="interlace"`` (no OAuth: no
+  ``resource_metadata``).  Browser origins are refused as the gateway refuses
+  them (``server.cors_origins``; the server's own origin under an address or
+  ``localhost`` passes, which the MCP conformance suite's DNS-rebinding check
+  expects), and the SDK's DNS-rebinding protection (``Host``) stays on for
+  loopback hosts.
 
 The caller is decided per HTTP request: :class:`BearerGuard` authenticates
 it and puts a :class:`Caller` into the ASGI scope; the SDK hands handlers the
@@ -266,7 +270,8 @@ def check_http_tools(config: GatewayConfig, tools: Iterable[str]) -> list[str]:
 
 
 class BearerGuard:
-    """ASGI middleware: authenticates every HTTP request as the gateway does (401 JSON otherwise)
+    """ASGI middleware: authenticates every HTTP request as the gateway does (401 JSON with a
+    ``WWW-Authenticate`` bearer challenge otherwise)
     and leaves the :class:`Caller` in the scope for the MCP handlers.
 
     With API keys, the key's name also becomes the SDK's session owner, so a
@@ -304,8 +309,9 @@ class BearerGuard:
 
 def http_app(server: Server, config: GatewayConfig, *, host: str = DEFAULT_HOST, path: str = MCP_PATH) -> Any:
     """The ASGI app serving ``server`` over Streamable HTTP at ``path``, guarded as the gateway is:
-    browser origins (``server.cors_origins``), then API keys (:class:`BearerGuard`), then the SDK's
-    own checks (DNS-rebinding protection for a loopback ``host``, body size ``server.max_request_bytes``)."""
+    browser origins (``server.cors_origins`` and the server's own), then API keys (:class:`BearerGuard`),
+    then the SDK's own checks (DNS-rebinding protection for a loopback ``host``, body size
+    ``server.max_request_bytes``)."""
     from starlette.middleware.cors import CORSMiddleware
 
     from ..http_guard import OriginGuard, cors_middleware_args
