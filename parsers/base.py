@@ -15,6 +15,19 @@ cancel work begun on partial arguments); an error before any call started is
 reported once the text it swallowed is known.  The one exception is text that only *looked* like it might start a call and turned out
 not to (a partial marker at the end of the stream, a bare ``{`` that is not a
 ``{"name": ...}`` object for ``llama3_json``): that is returned as ``Text``.
+
+Layout is not text.  Whitespace that only separates calls or surrounds them
+(the ``"\\n"`` between two hermes ``<tool_call>`` blocks, a newline before the
+first call or after the last) belongs to the format, not to the answer: a
+stretch of text holding nothing but whitespace is dropped when a call (or a
+failed call) borders it, for every parser, in :meth:`StreamingParser.feed`.
+Only such whitespace-only stretches are: text with a word in it comes back
+whole, its whitespace included; an answer that is only whitespace and has no
+call stays as it is.  So ``tool_choice: "required"`` answers ``content: null``
+(the forcing grammars write a separator between calls, as the formats render
+them), and under ``"auto"`` a reply of calls has no whitespace-only content,
+as OpenAI answers.  Whitespace at the start of a stretch is held back until
+the next character decides (a few tokens at most).
 """
 
 from __future__ import annotations
@@ -110,6 +123,9 @@ class StreamingParser:
         self._new_id: IdFactory = id_factory or random_call_id
         self._next_index = 0
         self._finished = False
+        self._layout = ""          # whitespace held at the start of a stretch of text (see the module doc)
+        self._worded = False       # the current stretch of text has had a non-whitespace character
+        self._bordered = False     # a call (or failed call) has been seen: held whitespace is layout
 
     # -- public API -------------------------------------------------------
     def feed(self, delta: str) -> list[Event]:
@@ -123,7 +139,7 @@ class StreamingParser:
             del buf
             self._feed()
         out, self._out = self._out, []
-        return out
+        return self._without_layout(out)
 
     def finish(self) -> list[Event]:
         """End of stream: flush held-back text, report unterminated calls."""
@@ -132,6 +148,30 @@ class StreamingParser:
         self._finished = True
         self._finish()
         out, self._out = self._out, []
+        out = self._without_layout(out)
+        if self._layout and not self._bordered:  # a whitespace-only answer with no call: it is the answer
+            out.append(Text(self._layout))
+        self._layout = ""
+        return out
+
+    def _without_layout(self, events: list[Event]) -> list[Event]:
+        """``events`` less the whitespace-only stretches of text that border a call (the module doc).
+        Whitespace opening a stretch is held in ``_layout``: the next word makes it text, the next
+        call (any event that is not ``Text``) makes it layout."""
+        if not events:
+            return events
+        out: list[Event] = []
+        for ev in events:
+            if type(ev) is not Text:
+                self._layout, self._worded, self._bordered = "", False, True
+                out.append(ev)
+            elif self._worded:
+                out.append(ev)
+            elif ev.text.isspace():  # type: ignore[union-attr]
+                self._layout += ev.text  # type: ignore[union-attr]
+            else:
+                out.append(Text(self._layout + ev.text) if self._layout else ev)  # type: ignore[union-attr]
+                self._layout, self._worded = "", True
         return out
 
     def parse(self, text: str) -> list[Event]:

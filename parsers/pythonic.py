@@ -323,4 +323,6 @@ class PythonicParser(StreamingParser):
                 self._out.append(ParserError(self._index, "unterminated tool call", self._s))
         elif st == "open":
             self._out.append(ParserError(None, "unterminated tool call", self._buf))
+        elif st == "start":  # an answer of whitespace only: it is the answer
+            self._emit_text(self._buf)
         self._buf = ""

@@ -235,7 +235,8 @@ ALL = [(fmt, s) for fmt, outs in SAMPLES.items() for s in outs]
 def test_hermes_calls_and_text() -> None:
     ev = run("hermes", HERMES_OK)
     check_invariants(ev)
-    assert text_of(ev) == "I'll check the weather in both cities.\n\n"
+    # the "\n" between the two calls is layout, not text (parsers/base.py)
+    assert text_of(ev) == "I'll check the weather in both cities.\n"
     assert calls(ev) == [
         (
             "get_weather",
