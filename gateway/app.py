@@ -1,8 +1,9 @@
 """The composition root: the Starlette application that serves Interlace engines.
 
     GET  /health               liveness
-    GET  /v1/models            the configured models
+    GET  /v1/models[/{id}]     the configured models          (gateway/openai/routes.py)
     POST /v1/chat/completions  chat, tools, structured output, streaming (gateway/openai/routes.py)
+    POST /v1/completions       text completions               (gateway/openai/text_completions.py)
     GET  /v1/plugins           installed plugins, their tools and versions
     GET  /metrics              Prometheus metrics
     GET  /openapi.json         the OpenAPI document of every endpoint
@@ -186,15 +187,6 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": list(gw.models)})
 
-    async def models(request: Request) -> Response:
-        guard_.authenticate(config, request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "interlace",
-             "max_model_len": m.max_model_len,
-             # a zoo variant (vLLM's LoRA convention): its zoo path and the base it shares blocks with
-             **({"root": m.spec.path, "parent": ZOO_PREFIX + m.engine.inner.name}
-                if isinstance(m.engine, VariantEngine) else {})} for m in gw.models.values()]})
-
     async def plugins_route(request: Request) -> Response:
         guard_.authenticate(config, request)
         return JSONResponse({"object": "list", "data": gw.host.list_plugins()})
@@ -209,7 +201,6 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
 
     routes = [
         Route("/health", health),
-        Route("/v1/models", models),
         Route("/v1/plugins", plugins_route),
         Route("/metrics", metrics),
         *openai_routes(gw, config),

@@ -131,7 +131,7 @@ class ConcurrencyGuard:
     """ASGI middleware: at most ``max_concurrent_requests`` chat completions in flight per key.
     A request whose key is missing or wrong passes through (the route answers 401)."""
 
-    PATHS = frozenset({"/v1/chat/completions"})
+    PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # text completions count as chat's
 
     def __init__(self, app: Any, limits: KeyLimits):
         self.app, self.limits = app, limits

@@ -15,11 +15,13 @@ gateway to hold it to that (statuses, bodies, content types, ``Allow``).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Iterable, Iterator, List, Tuple
 
 from starlette.routing import BaseRoute, Mount, Route
 
 from ..version import __version__
+from .openai.text_completions import COMPLETION_REQUEST_SCHEMA
 from .openai.wire import CHAT_REQUEST_SCHEMA
 from .sampling import PROPERTIES as SAMPLING_PROPERTIES
 
@@ -101,6 +103,9 @@ def _q(name: str, schema: Dict[str, Any], desc: str) -> Dict[str, Any]:
 ERR = ("error (OpenAI-style body)", ERROR)
 LIST = {"type": "object", "required": ["object", "data"],
         "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}
+MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+         "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                        "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}
 SESSION_ERRS = {401: ("no session token", ERROR), 403: ("another session's token", ERROR),
                 404: ("no such session (or variable / call in it)", ERROR)}
 
@@ -115,6 +120,18 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
          401: ("server.metrics_key is set and the request does not carry it", ERROR)}, auth="metricsKey"),
     ("/openapi.json", "get"): _op("This document", {200: ("OpenAPI 3.1", {"type": "object"})}, auth="none"),
     ("/v1/models", "get"): _op("The configured models (OpenAI list)", {200: ("models", LIST), 401: ERR}),
+    ("/v1/models/{id}", "get"): _op(
+        "One configured model (OpenAI's models.retrieve); an id may hold slashes",
+        {200: ("the model", MODEL), 401: ERR, 404: ("no such model (code model_not_found)", ERROR)}),
+    ("/v1/completions", "post"): _op(
+        "OpenAI legacy text completions: a raw prompt (text or token ids, no chat template) continued; "
+        "streaming, the chat route's sampling and limits (README)",
+        {200: ("a text_completion, or server-sent text_completion chunks when stream is true",
+               {"application/json": {"schema": {"type": "object"}}, **SSE}),
+         400: ERR, 401: ERR, 404: ERR, 413: ERR, 415: ERR, 429: ERR},
+        # the schema the server validates with; other fields are refused (400 unknown_parameter), and
+        # the unimplemented ones are accepted only at their neutral value (text_completions.UNSUPPORTED)
+        body={**COMPLETION_REQUEST_SCHEMA, "additionalProperties": False}),
     ("/v1/plugins", "get"): _op("Installed plugins, their tools and parsers", {200: ("plugins", LIST), 401: ERR}),
     ("/v1/chat/completions", "post"): _op(
         "OpenAI chat completions: tools, structured output, streaming, Interlace extensions (README)",
@@ -185,7 +202,8 @@ def _endpoints(routes: Iterable[BaseRoute], prefix: str = "", names: Tuple[str, 
         if isinstance(r, Mount):
             yield from _endpoints(r.routes, prefix + r.path, (*names, *(p for p in r.param_convertors if p != "path")))
         elif isinstance(r, Route) and r.include_in_schema:
-            yield prefix + r.path, [*names, *r.param_convertors], r
+            # OpenAPI names a parameter without its converter: /v1/models/{id:path} is /v1/models/{id}
+            yield re.sub(r"\{(\w+):\w+\}", r"{\1}", prefix + r.path), [*names, *r.param_convertors], r
 
 
 def openapi_document(routes: Iterable[BaseRoute], api_keys: bool = True, metrics_key: bool = False

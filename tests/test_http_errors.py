@@ -165,7 +165,7 @@ def test_keep_alive_connection_survives_a_rejected_body(live):
 
 
 @pytest.mark.parametrize("method,path,status,code", [
-    ("GET", "/nope", 404, "not_found"), ("POST", "/v1/completions", 404, "not_found"),
+    ("GET", "/nope", 404, "not_found"), ("POST", "/v1/embeddings", 404, "not_found"),
     ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
     ("DELETE", "/v1/models", 405, "method_not_allowed"),
 ])

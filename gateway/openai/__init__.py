@@ -1,4 +1,5 @@
-"""The OpenAI chat-completions wing: ``POST /v1/chat/completions`` and the agent loop behind it.
+"""The OpenAI wing: ``POST /v1/chat/completions`` and the agent loop behind it,
+``POST /v1/completions`` (text in, text out) and ``GET /v1/models[/{id}]``.
 
 A request walks the modules in this order:
 
@@ -10,7 +11,12 @@ A request walks the modules in this order:
   sampling, the constraints of ``tool_choice`` / ``response_format``, the
   server-side tools it may use;
 * ``completions.py``: the agent loop: generate, parse tool calls as they
-  stream, run server-side tools while the context is paused, resume.
+  stream, run server-side tools while the context is paused, resume;
+* ``streaming.py``: what both completion routes share to answer with
+  server-sent events (the first event before the response starts, an error
+  event then ``[DONE]`` after it);
+* ``text_completions.py``: ``/v1/completions``: a raw prompt (text or token
+  ids) through the same loop, without a chat template or tools.
 
 What the API surfaces share (the served models, errors, prompt rendering, and
 ``retention.py``: finished contexts kept across client-side tool calls, which

@@ -32,7 +32,11 @@ argument fragments it has to take back.  A malformed client call (broken
 JSON, arguments that are not an object, a tool that was not offered) becomes
 ``Content``: its raw text when the parser has it, else the call as the format
 renders it.  A malformed *server-side* call becomes an error result that the
-model sees (for an unknown tool, the error names the offered tools).
+model sees (for an unknown tool, the error names the offered tools).  In a
+round forced by ``tool_choice`` (``CompletionPlan.forced_calls``) the grammar
+lets only calls through, so a call that fails there was cut short by
+``max_tokens``: it is dropped (``finish_reason="length"``, ``content`` null),
+never shown as content.
 
 Numbering.  Client calls are numbered from 0 in the order they are passed on,
 server calls separately from 0 (``CallStart.server`` / ``CallArgs.server`` say
@@ -157,6 +161,12 @@ class CompletionPlan:
     #: every function the request offers (client and server), name -> parameters schema;
     #: a call to any other name is malformed
     offered_tools: Dict[str, Any] = field(default_factory=dict)
+    #: the first round is tool calls forced by a grammar (tool_choice "required" or a named function):
+    #: a call that fails there can only have been cut short (max_tokens), and is not content
+    forced_calls: bool = False
+    #: when the request arrived (``time.perf_counter()``; the route sets it as its handler starts):
+    #: the time to first token is measured from it
+    arrived_at: float = field(default_factory=time.perf_counter)
 
 
 class FirstRoundOnly:
@@ -254,6 +264,7 @@ class _Turn:
         self.n_server = 0
         self.abort_round = False           # an argument failed early: pause now
         self.stop_now = False              # parallel_tool_calls=false and a client call was passed on
+        self.forced = plan.forced_calls    # this round's output is grammar-forced calls (the first round)
 
     # -- parser events -----------------------------------------------------
     def handle(self, pe: Any) -> List[Any]:
@@ -264,7 +275,7 @@ class _Turn:
         call = self._current(getattr(pe, "index", None))
         if isinstance(pe, ParserError):
             if call is None:
-                return [Content(pe.raw)] if pe.raw else []
+                return [Content(pe.raw)] if pe.raw and not self.forced else []
             return self._failed(call, f"malformed tool call: {pe.message}", pe.raw)
         if call is None or call.ignored:
             return []
@@ -359,7 +370,7 @@ class _Turn:
             if call.events is not None:
                 call.events.put_nowait(("abandon",))
             return []
-        return [Content(raw)] if raw else []
+        return [Content(raw)] if raw and not self.forced else []
 
     # -- round bookkeeping ---------------------------------------------------
     def start_deferred(self) -> None:
@@ -381,6 +392,7 @@ class _Turn:
 
     def new_round(self) -> None:
         self.round = []
+        self.forced = False  # tool_choice forces the first round only (plan.py)
 
 
 async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Optional[ToolRuntime] = None,
@@ -403,7 +415,8 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
     app = f"{model.name}:{owner or ''}"  # LAMPS' output-length predictor learns per model and caller
     lengths, durations, store = model.lengths, model.durations, model.retention
     retained = False   # the retention store owns the context now
-    cached = 0         # prompt tokens a retained context already held
+    held = 0           # prompt tokens a retained context already held (adopted: not prefilled again)
+    engine_cached: Dict[str, int] = {}  # the engine's latest TokenEvent.cached_tokens, by mechanism
     segment_start, segment_tokens = prompt_tokens, 0  # the current segment (to the next tool call or the end)
     # the key's name is the tenant the engine's queue is fair across (its prefill and its decoding)
     hint = RequestHint(app=app, expected_output=lengths.estimate(app, prompt_tokens), tenant=owner)
@@ -414,9 +427,9 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
             try:
                 if adopted.matched < len(adopted.tokens):  # the reply re-rendered differently from there on
                     await engine.truncate(ctx, adopted.matched)
-                held = await engine.computed_tokens(ctx)
+                kept = await engine.computed_tokens(ctx)
                 await engine.fill(ctx, plan.prompt_ids[adopted.matched:], hint=hint)
-                cached = held
+                held = kept
                 store.adopted(held)
             except EngineError as e:  # never fail the follow-up for it: prefill as a new request
                 log.warning("retained context %r could not be adopted, prefilling anew: %s", ctx, e)
@@ -428,6 +441,8 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
         stream = engine.generate(ctx, sampling, hint=hint)
         async with contextlib.aclosing(stream):
             async for ev in stream:
+                if ev.cached_tokens is not None:
+                    engine_cached = ev.cached_tokens
                 if ev.token_id is not None:
                     completion_tokens += 1
                     segment_tokens += 1
@@ -513,6 +528,8 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
             retained = entry is not None
             if entry is not None:
                 await store.park(entry)
+        # cached: every prompt token served from KV that existed (the adopted context's, the prefix cache's)
+        cached = min(prompt_tokens, held + sum(engine_cached.values()))
         yield Finish(finish_reason, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                      "total_tokens": prompt_tokens + completion_tokens,
                                      "prompt_tokens_details": {"cached_tokens": cached}})
@@ -527,6 +544,8 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                     call.events.put_nowait(("abandon",))  # the driver cancels the call and returns
         if ctx is not None and not retained:
             engine.free_context_nowait(ctx)
+        if metrics is not None:  # saved however the request ended (the retention's own: store.adopted)
+            metrics.prefill_saved(model.name, engine_cached)
 
 
 def _hint_pause(engine: Engine, ctx: ContextId, tool: str, durations: ToolDurations) -> None:

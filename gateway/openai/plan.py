@@ -16,7 +16,19 @@ Decisions worth knowing:
   grammar of the model's own tool-call format (``model.tool_format.grammar``),
   so the forced text is what its parser reads.  ``"required"`` allows several
   calls unless ``parallel_tool_calls`` is false (OpenAI's default is true); a
-  named function means exactly one call.
+  named function means exactly one call.  The grammar covers the client's
+  tools and the server tools the request asked for (``interlace.server_tools``
+  adds them to ``tools``): ``"required"`` may call any of them, a named
+  function may be a server tool (wire.py checks the name against both).
+* Forcing applies to the first round only.  OpenAI defines ``"required"`` for
+  one model response ("the model must call one or more tools"); vLLM likewise
+  constrains the one response it returns, and agent loops that send it again
+  after a tool result (the OpenAI Agents SDK's ``reset_tool_choice``, on by
+  default) reset it to ``"auto"``, since a model forced to call on every turn
+  never answers.  Here the agent loop is inside one request, so the same
+  holds within it: the forced call runs server-side, its result is appended
+  and decoding goes on unconstrained (:class:`~.completions.FirstRoundOnly`),
+  so the model answers (or calls again, of its own accord).
 * ``interlace.replay`` keeps the request's constraints: the replayed text
   must satisfy ``tool_choice`` / ``response_format`` (the first round's text
   when server-side tools run, since constraints apply to the first round
@@ -108,7 +120,8 @@ def build_plan(model: ModelServer, body: Dict[str, Any], *, available_tools: Map
         raise InvalidInput(str(e), code="invalid_value")
     offered = {f["name"]: f.get("parameters") for f in (t.get("function", t) for t in tools
                                                          if t.get("type", "function") == "function")}
-    return CompletionPlan(prompt_ids=prompt, sampling=sampling, parse_tools=parse_tools,
+    forced = choice == "required" or isinstance(choice, dict)
+    return CompletionPlan(prompt_ids=prompt, sampling=sampling, parse_tools=parse_tools, forced_calls=forced,
                           server_tools=server, partial_execution=ext.get("partial_execution", True),
                           max_tool_rounds=ext.get("max_tool_rounds", max_tool_rounds),
                           parallel_tool_calls=body.get("parallel_tool_calls") is not False,
@@ -147,6 +160,10 @@ def constraint(model: ModelServer, body: Dict[str, Any], tools: List[Dict[str, A
     from ...engine_ext.constraints.grammar import GrammarError
     from ...parsers.formats import CannotForce
 
+    offered = [t["function"]["name"] for t in tools if t.get("type", "function") == "function"]
+    if forced is not None and forced not in offered:  # `server_tools: true` left this check to the plan
+        raise InvalidInput(f"tool_choice names function {forced!r}, which is not in tools or interlace.server_tools "
+                           f"(offered: {', '.join(offered) or 'none'})", param="tool_choice", code="unknown_tool")
     g = model.grammar()
     try:
         if forcing:

@@ -1,6 +1,8 @@
 """The OpenAI chat-completions route, and the answer it makes of the agent
 loop's events: one ``chat.completion`` object (:func:`collect`) or a stream of
-``chat.completion.chunk`` events (:func:`stream_chunks`).
+``chat.completion.chunk`` events (:func:`stream_chunks`); beside it, the
+wing's other routes: ``GET /v1/models/{id}`` (:func:`model_object`) and the
+legacy ``POST /v1/completions`` (text_completions.py).
 
 The route validates (wire.py), plans (plan.py) and runs the loop
 (completions.py); errors are raised, never answered here (gateway/errors.py
@@ -18,16 +20,17 @@ requests and tokens in, not the gateway.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Tuple
 
 import anyio.to_thread
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ...engine_ext.errors import EngineError
+from ...engine_ext.native.setup import ZOO_PREFIX
+from ...engine_ext.variant_engine import VariantEngine
 from .. import http_guard as guard_
 from ..errors import APIError, engine_error
 from ..http_guard import until_disconnected
@@ -35,11 +38,11 @@ from ..metrics import Metrics
 from . import wire as api
 from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
 from .plan import build_plan
+from .streaming import ClosingStreamingResponse, chain, first_event, stream_error
+from .text_completions import build_routes as text_completion_routes
 
 if TYPE_CHECKING:  # the seams' types (imports for annotations only)
     from ..models import ModelServer
-
-log = logging.getLogger(__name__)
 
 
 def build_routes(gw: Any, config: Any) -> List[Route]:
@@ -59,53 +62,57 @@ def build_routes(gw: Any, config: Any) -> List[Route]:
         return body, model, plan
 
     async def chat_completions(request: Request) -> Response:
+        arrived = time.perf_counter()  # the time to first token counts from here
         caller = guard_.authenticate(config, request)
         guard_.require_json(request)
         raw = await guard_.read_body(request, config.max_request_bytes)
         # parsing, validation, rendering, tokenizing and grammar compilation are CPU work that grows
         # with the body: a worker thread does it, so other clients are answered meanwhile
         body, model, plan = await anyio.to_thread.run_sync(prepare, raw, caller)
+        plan.arrived_at = arrived
         events = run_completion(model, plan, gw.runtime, gw.metrics)
         if not body.get("stream"):
             return JSONResponse(await until_disconnected(request, collect(gw.metrics, model, plan, events)))
         # Start generating before the response does: an error up to the first event (a context
         # too long, an engine that refuses the sampling) is still an HTTP error, not a broken stream.
         try:
-            first = await until_disconnected(request, _first_event(events))
+            first = await until_disconnected(request, first_event(events))
         except BaseException:
             await events.aclose()
             raise
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return ClosingStreamingResponse(stream_chunks(gw.metrics, model, events, first, include_usage),
+        return ClosingStreamingResponse(stream_chunks(gw.metrics, model, events, first, include_usage,
+                                                      plan.arrived_at, server_tools=bool(plan.server_tools)),
                                         on_close=events.aclose, media_type="text/event-stream",
                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    return [Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    async def list_models(request: Request) -> Response:
+        guard_.authenticate(config, request)
+        return JSONResponse({"object": "list", "data": [model_object(m) for m in gw.models.values()]})
+
+    async def retrieve_model(request: Request) -> Response:
+        guard_.authenticate(config, request)
+        model = gw.models.get(request.path_params["id"])
+        if model is None:
+            raise APIError(404, f"the model {request.path_params['id']!r} does not exist (available: "
+                                f"{', '.join(gw.models)})", param="model", code="model_not_found")
+        return JSONResponse(model_object(model))
+
+    return [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            # ids may hold slashes (a zoo variant's zoo/NAME, a served org/model)
+            Route("/v1/models/{id:path}", retrieve_model, methods=["GET"]),
+            *text_completion_routes(gw, config)]
 
 
-async def _first_event(events: AsyncIterator[Any]) -> Any:
-    try:
-        return await events.__anext__()
-    except StopAsyncIteration:
-        return None
-    except EngineError as e:
-        raise engine_error(e) from e
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A streaming response that closes the completion it streams however it ends --
-    even when the client is gone before the body iterator ever ran (which would
-    otherwise leave the context to the garbage collector)."""
-
-    def __init__(self, content: Any, on_close: Callable[[], Awaitable[None]], **kw: Any):
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.on_close()
+def model_object(m: ModelServer) -> Dict[str, Any]:
+    """A served model as OpenAI's model object, as ``GET /v1/models`` lists it and
+    ``GET /v1/models/{id}`` answers it (openai's ``models.retrieve``)."""
+    return {"id": m.name, "object": "model", "created": m.created, "owned_by": "interlace",
+            "max_model_len": m.max_model_len,
+            # a zoo variant (vLLM's LoRA convention): its zoo path and the base it shares blocks with
+            **({"root": m.spec.path, "parent": ZOO_PREFIX + m.engine.inner.name}
+               if isinstance(m.engine, VariantEngine) else {})}
 
 
 async def collect(metrics: Metrics, model: ModelServer, plan: CompletionPlan, events: Any) -> Dict[str, Any]:
@@ -115,9 +122,13 @@ async def collect(metrics: Metrics, model: ModelServer, plan: CompletionPlan, ev
     results: List[Dict[str, Any]] = []
     logprobs: List[Dict[str, Any]] = []
     finish: Optional[Finish] = None
+    first = True
     try:
         async with contextlib.aclosing(events):
             async for ev in events:
+                if first and isinstance(ev, (Content, CallStart)):
+                    metrics.ttft.labels(model.name).observe(time.perf_counter() - plan.arrived_at)
+                    first = False
                 if isinstance(ev, Content):
                     content.append(ev.text)
                 elif isinstance(ev, TokenLogprob):
@@ -144,7 +155,7 @@ async def collect(metrics: Metrics, model: ModelServer, plan: CompletionPlan, ev
            "choices": [{"index": 0, "message": message, "finish_reason": finish.reason,
                         "logprobs": {"content": logprobs, "refusal": None} if plan.sampling.logprobs else None}],
            "usage": finish.usage}
-    if results:
+    if plan.server_tools:  # asked for: always there, so clients can read it whether or not a call ran
         out["interlace"] = {"tool_calls": results}
     return out
 
@@ -153,28 +164,23 @@ def _logprob_entry(ev: TokenLogprob) -> Dict[str, Any]:
     return {"token": ev.text, "logprob": ev.logprob, "bytes": list(ev.text.encode()), "top_logprobs": []}
 
 
-async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    if first is not None:
-        yield first
-        async for ev in events:
-            yield ev
-
-
 async def stream_chunks(metrics: Metrics, model: ModelServer, events: Any, first_event: Any,
-                        include_usage: bool) -> AsyncIterator[bytes]:
+                        include_usage: bool, arrived_at: float, *, server_tools: bool = False) -> AsyncIterator[bytes]:
     """Server-sent events of one completion whose first event is already known.
     Whatever goes wrong after the first byte, the client gets an error event in
-    OpenAI's shape and then ``[DONE]`` -- never a connection that just stops."""
+    OpenAI's shape and then ``[DONE]`` -- never a connection that just stops.
+    ``arrived_at``: the request's arrival (``time.perf_counter()``), where the time to first token starts.
+    ``server_tools``: the request asked for server-side tools, so the finish chunk carries their records."""
     cid, created, name = api.completion_id(), api.now(), model.name
-    t0 = time.perf_counter()
     first = True
     pending_logprobs: List[Dict[str, Any]] = []
+    results: List[Dict[str, Any]] = []  # the server-side calls' records, for the finish chunk
     yield api.sse(api.chunk(cid, name, created, {"role": "assistant", "content": ""}))
     try:
         async with contextlib.aclosing(events):
-            async for ev in _chain(first_event, events):
+            async for ev in chain(first_event, events):
                 if first and isinstance(ev, (Content, CallStart)):
-                    metrics.ttft.labels(name).observe(time.perf_counter() - t0)
+                    metrics.ttft.labels(name).observe(time.perf_counter() - arrived_at)
                     first = False
                 if isinstance(ev, TokenLogprob):
                     pending_logprobs.append(_logprob_entry(ev))
@@ -200,20 +206,20 @@ async def stream_chunks(metrics: Metrics, model: ModelServer, events: Any, first
                         yield api.sse(api.chunk(cid, name, created, {"tool_calls": [{
                             "index": ev.index, "function": {"arguments": ev.fragment}}]}))
                 elif isinstance(ev, ServerToolResult):
-                    yield api.sse(api.chunk(cid, name, created, {}, interlace={"tool_result": ev.to_dict()}))
+                    results.append(ev.to_dict())
+                    yield api.sse(api.chunk(cid, name, created, {}, interlace={"tool_result": results[-1]}))
                 elif isinstance(ev, Finish):
                     metrics.request("/v1/chat/completions", name, 200)
                     metrics.usage(name, ev.usage)
-                    yield api.sse(api.chunk(cid, name, created, {}, ev.reason))
+                    # server tools asked for: the finish chunk carries every call's record, as the
+                    # non-streamed answer's `interlace` does (an empty list when none ran)
+                    yield api.sse(api.chunk(cid, name, created, {}, ev.reason,
+                                            **({"interlace": {"tool_calls": results}} if server_tools else {})))
                     if include_usage:
                         yield api.sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                                        "model": name, "choices": [], "usage": ev.usage})
     except Exception as e:  # noqa: BLE001  (reported to the client, logged with its traceback)
-        err = engine_error(e) if isinstance(e, EngineError) else APIError(
-            500, f"internal server error ({type(e).__name__}) while streaming; the gateway's log has the details",
-            "server_error", code="internal_error")
-        if err.status >= 500:
-            log.exception("streaming completion failed")
+        err = stream_error(e)
         metrics.request("/v1/chat/completions", name, err.status)
         yield api.sse(err.body())
     yield b"data: [DONE]\n\n"

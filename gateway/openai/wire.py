@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import jsonschema
 import numpy as np
@@ -144,31 +144,31 @@ CHAT_REQUEST_SCHEMA = {
 }
 
 
-def _number_is(value: float) -> Callable[[Any], bool]:
+def number_is(value: float) -> Callable[[Any], bool]:
     return lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == value)
 
 
-def _empty(v: Any) -> bool:
+def empty(v: Any) -> bool:
     return v is None or v == {} or v == []
 
 
 #: OpenAI parameters Interlace does not implement: accepted only at their neutral value
 #: (so clients that always send the default keep working), refused otherwise -- never ignored.
 UNSUPPORTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
-    "n": (_number_is(1), "only n=1 is supported"),
-    "frequency_penalty": (_number_is(0), "frequency_penalty is not supported (only 0)"),
-    "presence_penalty": (_number_is(0), "presence_penalty is not supported (only 0)"),
-    "logit_bias": (_empty, "logit_bias is not supported"),
-    "top_logprobs": (_number_is(0), "top_logprobs is not supported (only 0: logprobs gives the sampled "
+    "n": (number_is(1), "only n=1 is supported"),
+    "frequency_penalty": (number_is(0), "frequency_penalty is not supported (only 0)"),
+    "presence_penalty": (number_is(0), "presence_penalty is not supported (only 0)"),
+    "logit_bias": (empty, "logit_bias is not supported"),
+    "top_logprobs": (number_is(0), "top_logprobs is not supported (only 0: logprobs gives the sampled "
                                     "token's log-probability)"),
-    "audio": (_empty, "audio output is not supported"),
+    "audio": (empty, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
-    "prediction": (_empty, "predicted outputs are not supported"),
-    "functions": (_empty, "the legacy 'functions' parameter is not supported: use 'tools'"),
-    "function_call": (_empty, "the legacy 'function_call' parameter is not supported: use 'tool_choice'"),
-    "reasoning_effort": (_empty, "reasoning_effort is not supported"),
-    "verbosity": (_empty, "verbosity is not supported"),
-    "web_search_options": (_empty, "web search is not supported"),
+    "prediction": (empty, "predicted outputs are not supported"),
+    "functions": (empty, "the legacy 'functions' parameter is not supported: use 'tools'"),
+    "function_call": (empty, "the legacy 'function_call' parameter is not supported: use 'tool_choice'"),
+    "reasoning_effort": (empty, "reasoning_effort is not supported"),
+    "verbosity": (empty, "verbosity is not supported"),
+    "web_search_options": (empty, "web search is not supported"),
 }
 
 KNOWN_FIELDS = frozenset(CHAT_REQUEST_SCHEMA["properties"]) | frozenset(UNSUPPORTED)
@@ -280,25 +280,37 @@ def _check_sizes(body: Dict[str, Any]) -> None:
                            param=param, code="schema_too_large")
 
 
+def check_fields(body: Any, known: Iterable[str], unsupported: Dict[str, Tuple[Callable[[Any], bool], str]]) -> None:
+    """The checks every OpenAI request body gets first (chat and text completions): a JSON object,
+    no field outside ``known``, each of ``unsupported`` at its neutral value."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_body")
+    for name in body:
+        if name not in known:
+            raise APIError(400, f"unrecognized request argument supplied: {name}", param=name,
+                           code="unknown_parameter")
+    for name, (neutral, why) in unsupported.items():
+        if name in body and not neutral(body[name]):
+            raise APIError(400, f"{why}; got {name}={body[name]!r}", param=name, code="unsupported_parameter")
+
+
+def check_schema(body: Dict[str, Any], validator: Any) -> None:
+    """A 400 naming the field (``messages[0].content``) of the schema error that best explains why
+    ``body`` fails ``validator`` (a ``sampling.RequestValidator`` of the request's schema)."""
+    err = jsonschema.exceptions.best_match(validator.iter_errors(body))
+    if err is not None:
+        param = _path(err)
+        raise APIError(400, f"{param or 'body'}: {err.message}", param=param, code="invalid_value")
+
+
 def validate_chat_request(body: Any) -> Dict[str, Any]:
     """Check a parsed request body; raise :class:`APIError` (400, ``param`` naming the field) on the
     first problem.  Unknown fields and unsupported parameters are refused rather than ignored: a
     client that asks for something must not silently get something else."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_body")
-    for name in body:
-        if name not in KNOWN_FIELDS:
-            raise APIError(400, f"unrecognized request argument supplied: {name}", param=name,
-                           code="unknown_parameter")
-    for name, (neutral, why) in UNSUPPORTED.items():
-        if name in body and not neutral(body[name]):
-            raise APIError(400, f"{why}; got {name}={body[name]!r}", param=name, code="unsupported_parameter")
+    check_fields(body, KNOWN_FIELDS, UNSUPPORTED)
     _check_sizes(body)
     _refuse_non_text_parts(body.get("messages"))
-    err = jsonschema.exceptions.best_match(_validator.iter_errors(body))
-    if err is not None:
-        param = _path(err)
-        raise APIError(400, f"{param or 'body'}: {err.message}", param=param, code="invalid_value")
+    check_schema(body, _validator)
     msgs = body["messages"]
     ids = set()
     for i, m in enumerate(msgs):
@@ -323,15 +335,19 @@ def validate_chat_request(body: Any) -> Dict[str, Any]:
             except jsonschema.SchemaError as e:
                 raise APIError(400, f"tools[{i}].function.parameters is not a valid JSON Schema: {e.message}",
                                param=f"tools[{i}].function.parameters", code="invalid_value")
+    # a forced call may be to a server-side tool the request asked for (interlace.server_tools); with
+    # `server_tools: true` which tools those are is the gateway's to say: the plan checks (plan.py)
+    server = (body.get("interlace") or {}).get("server_tools") or []
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         name = choice["function"]["name"]
-        if name not in names:
-            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools",
+        if server is not True and name not in names and name not in server:
+            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools"
+                                f"{' or interlace.server_tools' if server else ''}",
                            param="tool_choice", code="unknown_tool")
-    elif choice == "required" and not names:
-        raise APIError(400, "tool_choice 'required' needs at least one tool", param="tool_choice",
-                       code="invalid_value")
+    elif choice == "required" and not names and not server:
+        raise APIError(400, "tool_choice 'required' needs at least one tool (in tools or "
+                            "interlace.server_tools)", param="tool_choice", code="invalid_value")
     rf = body.get("response_format") or {}
     if rf.get("type") == "json_schema":
         schema = (rf.get("json_schema") or {}).get("schema")
