@@ -7,7 +7,9 @@ the file, the key path and what was expected, e.g.::
 
 A string of the form ``os.environ/NAME`` anywhere in the file is replaced by
 that environment variable (so API keys stay out of the file); a missing
-variable is a configuration error too.
+variable is a configuration error too, except where the caller needs no
+secret (``require_secrets=False``: ``interlace plugins`` lists the plugins
+without the API keys' variables; such a string then stays as written).
 """
 
 from __future__ import annotations
@@ -498,14 +500,16 @@ class GatewayConfig:
                                   f"(installed: {', '.join(names)})")
 
 
-def _substitute_env(node: Any, path: str, source: str) -> Any:
+def _substitute_env(node: Any, path: str, source: str, required: bool = True) -> Any:
     if isinstance(node, dict):
-        return {k: _substitute_env(v, f"{path}.{k}" if path else str(k), source) for k, v in node.items()}
+        return {k: _substitute_env(v, f"{path}.{k}" if path else str(k), source, required) for k, v in node.items()}
     if isinstance(node, list):
-        return [_substitute_env(v, f"{path}[{i}]", source) for i, v in enumerate(node)]
+        return [_substitute_env(v, f"{path}[{i}]", source, required) for i, v in enumerate(node)]
     if isinstance(node, str) and node.startswith(ENV_PREFIX):
         name = node[len(ENV_PREFIX):]
         if name not in os.environ:
+            if not required:
+                return node
             raise ConfigError(f"{source}: {path}: environment variable {name!r} is not set")
         return os.environ[name]
     return node
@@ -546,7 +550,9 @@ def _api_keys(server: Dict[str, Any], source: str) -> List[ApiKey]:
     return out
 
 
-def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
+def parse_config(data: Any, source: str = "<dict>", *, require_secrets: bool = True) -> GatewayConfig:
+    """``data`` (the YAML's object) validated, with defaults; ``require_secrets=False`` leaves an
+    ``os.environ/NAME`` whose variable is unset as written instead of refusing the config."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -555,7 +561,7 @@ def parse_config(data: Any, source: str = "<dict>") -> GatewayConfig:
     if errors:
         lines = [f"{source}: {_key_path(e)}: {e.message}" for e in errors[:10]]
         raise ConfigError("invalid configuration\n  " + "\n  ".join(lines))
-    data = _substitute_env(copy.deepcopy(data), "", source)
+    data = _substitute_env(copy.deepcopy(data), "", source, require_secrets)
     server = {**DEFAULTS["server"], **data.get("server", {})}
     plugins = {**DEFAULTS["plugins"], **data.get("plugins", {})}
     models = {}
@@ -665,7 +671,7 @@ def _retention(defaults: Dict[str, Any], own: Dict[str, Any], kv_cache_tokens: i
                          ttl_s=float(r["ttl_s"]))
 
 
-def load_config(path: str | os.PathLike) -> GatewayConfig:
+def load_config(path: str | os.PathLike, *, require_secrets: bool = True) -> GatewayConfig:
     p = Path(path)
     try:
         text = p.read_text()
@@ -675,4 +681,4 @@ def load_config(path: str | os.PathLike) -> GatewayConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from e
-    return parse_config(data, str(p))
+    return parse_config(data, str(p), require_secrets=require_secrets)

