@@ -18,6 +18,12 @@ native engine at float32 compute:
   token by token; top-1 agreement with the reference's logits over all
   ``prompts x new`` positions, and the mean relative RMS there.
 
+``--reference`` compares with another variant than float32: ``--reference
+as-shipped-no-amx --variants as-shipped+amx`` measures the AMX path
+(``engine_ext/native/amx.py``, forced on with ``INTERLACE_AMX=on``, so on any
+CPU) against the gguf kernel at every size; the table adds the largest logit
+difference relative to the largest logit (last-pos max rel diff).
+
 Speed: decode tokens/s at each batch size (random prompts of
 ``--prompt-len`` tokens, ``--speed-new`` new tokens, as ``interlace bench
 engine`` measures the native engine), each variant in its own subprocess,
@@ -70,9 +76,13 @@ PROMPTS = [
 VARIANTS = {  # name -> NativeEngine.load keyword arguments (besides the model)
     "float32": {},
     "as-shipped": {"weights": "as-shipped"},
+    "as-shipped+amx": {"weights": "as-shipped"},     # INTERLACE_AMX=on: the bf16 (AMX) path, any CPU
+    "as-shipped-no-amx": {"weights": "as-shipped"},  # INTERLACE_AMX=off: the gguf kernel at every size
     "int8": {"weights": "int8"},
     "bfloat16": {"weights": "bfloat16"},
 }
+#: the environment a variant loads under (engine_ext/native/amx.py reads INTERLACE_AMX at load)
+VARIANT_ENV = {"as-shipped+amx": {"INTERLACE_AMX": "on"}, "as-shipped-no-amx": {"INTERLACE_AMX": "off"}}
 
 
 def machine() -> Dict[str, object]:
@@ -91,9 +101,21 @@ def gguf_path(model: Optional[str]) -> Path:
 
 
 def load(variant: str, model: Optional[str], **kw):
+    import os
+
     from interlace.engine_ext.native.engine import NativeEngine
 
-    return NativeEngine.load(gguf_path(model), dtype="float32", **VARIANTS[variant], **kw)
+    env = VARIANT_ENV.get(variant, {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return NativeEngine.load(gguf_path(model), dtype="float32", **VARIANTS[variant], **kw)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # ============================================================ quality
@@ -142,10 +164,11 @@ def rel_rms(d, ref) -> float:
     return float(d.float().pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt())
 
 
-def quality(model: Optional[str], variants: List[str], new: int, batch: int = 0) -> Dict[str, dict]:
+def quality(model: Optional[str], variants: List[str], new: int, batch: int = 0,
+            reference: str = "float32") -> Dict[str, dict]:
     import torch
 
-    with load("float32", model) as ref_eng:
+    with load(reference, model) as ref_eng:
         tok = ref_eng.tokenizer
         prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
         ref_g = asyncio.run(greedy(ref_eng, prompts, new))
@@ -168,6 +191,7 @@ def quality(model: Optional[str], variants: List[str], new: int, batch: int = 0)
         rows[v] = {"prefix_agreement": sum(prefix) / len(prefix), "full_matches": full, "prompts": len(prompts),
                    "last_max_abs": max(float(d.abs().max()) for d in last_d),
                    "last_rel_rms": sum(rel_rms(d, r) for d, (r, _) in zip(last_d, ref_g)) / len(last_d),
+                   "last_max_rel": max(float(d.abs().max() / r.abs().max()) for d, (r, _) in zip(last_d, ref_g)),
                    "tf_top1": float(top1),
                    "tf_rel_rms": sum(rel_rms(g - r, r) for g, r in zip(got_tf, ref_tf)) / len(got_tf),
                    "load_s": load_s}
@@ -338,6 +362,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="quality: at most N prompts at a time, so the decode steps run N rows (default: all "
                          "20 at once; 1 measures batch-1 decode)")
     ap.add_argument("--variants", nargs="+", default=["as-shipped", "int8"], choices=list(VARIANTS))
+    ap.add_argument("--reference", default="float32", choices=list(VARIANTS),
+                    help="quality: the variant the others are compared with (default float32; as-shipped-no-amx "
+                         "measures the AMX path against the gguf kernel)")
     ap.add_argument("--speed-variants", nargs="+", default=["float32", "as-shipped", "int8"],
                     choices=list(VARIANTS))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -373,16 +400,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"\n{name}\nmachine: {describe_machine(out['machine'])}\n"
           f"as-shipped kernel: {out['int4_kernel']}; int8 kernel: aten _weight_int8pack_mm")
     if not args.no_quality:
-        q = out["quality"] = quality(args.model, args.variants, args.new, args.quality_batch)
-        print(f"\nquality against float32 dequantized from the same GGUF | {len(PROMPTS)} chat prompts, "
+        q = out["quality"] = quality(args.model, args.variants, args.new, args.quality_batch, args.reference)
+        against = ("float32 dequantized from the same GGUF" if args.reference == "float32"
+                   else f"{args.reference} on the same GGUF")
+        print(f"\nquality against {against} | {len(PROMPTS)} chat prompts, "
               f"{args.new} greedy tokens each, float32 compute\n")
-        print("| weights | greedy prefix agreement | full matches | last-pos max abs diff | last-pos rel RMS "
-              "| teacher-forced top-1 | teacher-forced rel RMS |")
-        print("|---|---|---|---|---|---|---|")
+        print("| weights | greedy prefix agreement | full matches | last-pos max abs diff | last-pos max rel diff "
+              "| last-pos rel RMS | teacher-forced top-1 | teacher-forced rel RMS |")
+        print("|---|---|---|---|---|---|---|---|")
         for v, r in q.items():
             print(f"| {v} | {r['prefix_agreement']:.3f} | {r['full_matches']}/{r['prompts']} | "
-                  f"{r['last_max_abs']:.3f} | {r['last_rel_rms']:.4f} | {r['tf_top1']:.3f} | "
-                  f"{r['tf_rel_rms']:.4f} |")
+                  f"{r['last_max_abs']:.3f} | {r['last_max_rel']:.4f} | {r['last_rel_rms']:.4f} | "
+                  f"{r['tf_top1']:.3f} | {r['tf_rel_rms']:.4f} |")
     if not args.no_speed:
         s = out["speed"] = speed(args.model, args.speed_variants, args.batches, args.prompt_len, args.speed_new,
                                  args.repeat)

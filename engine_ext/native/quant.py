@@ -67,6 +67,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .amx import AmxPath, amx_path
 from .models.llama import LlamaForCausalLM, ModelConfig, UnsupportedModel, rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -365,9 +366,16 @@ class Int4Linear(nn.Module):
     The activations are float32 inside the kernel (the scales are the GGUF's
     fp16 values held exactly in float32); the output is returned in the
     input's dtype.  Holds no parameters, so the model's parameters are its
-    dense ones (norms, a dense embedding)."""
+    dense ones (norms, a dense embedding).
 
-    def __init__(self, groups: Int4Groups, bias: Optional[torch.Tensor] = None, kernel: Optional[str] = None):
+    ``amx`` (:func:`.amx.amx_path`; default: this CPU's and ``INTERLACE_AMX``):
+    where enabled, the module also holds its weights as a dense bfloat16 matrix
+    (2 bytes per weight more) and matmuls of ``amx.min_rows`` rows or more run
+    through it in bfloat16 (oneDNN, on AMX tiles), whatever ``kernel`` is;
+    fewer rows take ``kernel``."""
+
+    def __init__(self, groups: Int4Groups, bias: Optional[torch.Tensor] = None, kernel: Optional[str] = None,
+                 amx: Optional[AmxPath] = None):
         super().__init__()
         n, kk = groups.q.shape
         if kk % GROUP:
@@ -378,6 +386,9 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features, self.doubled = groups.in_features, n, groups.doubled
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._fp16 = None
+        # on an AMX CPU, matmuls of many rows run on a dense bfloat16 copy (.amx's docstring: its cost)
+        self.amx = amx_path() if amx is None else amx
+        self._bf16 = groups.dense().to(torch.bfloat16).contiguous() if self.amx.enabled else None
         if self.kernel == "gguf":
             from . import cpu_matmul
 
@@ -408,6 +419,8 @@ class Int4Linear(nn.Module):
         return _apply_rows(self, x, self._matmul)
 
     def _matmul(self, a: torch.Tensor) -> torch.Tensor:
+        if self._bf16 is not None and self.amx.takes(a.shape[0]):
+            return nn.functional.linear(a.to(torch.bfloat16), self._bf16).float()
         if self.kernel == "gguf":
             return (self._ops.q4_linear if self._four_bit else self._ops.q8_linear)(a, self.blocks, self.out_features)
         if self._fp16 is not None:
@@ -419,7 +432,7 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
-                + (", doubled (Q8_0)" if self.doubled else ""))
+                + (", doubled (Q8_0)" if self.doubled else "") + f", amx={self.amx.describe()}")
 
 
 class Int8Linear(nn.Module):
@@ -558,20 +571,23 @@ def model_from_gguf(path: str | os.PathLike, config: dict, dtype: torch.dtype = 
     model.weights_format = "as-shipped"
     model.weight_types = types
     log.info("%s: weights as shipped (%s)", path, ", ".join(f"{k}: {v}" for k, v in sorted(types.items())))
+    amx = next((m.amx for m in model.modules() if isinstance(m, Int4Linear)), None)
+    if amx is not None:
+        log.info("%s: quantized matmuls: %s", path, amx.describe())
     return model.eval()
 
 
 def weight_bytes(model: nn.Module) -> int:
     """The bytes the model's weights take: parameters (a tied one once), buffers, and the
-    prepacked fp16 matrices of :class:`Int4Linear` (2 bytes per weight)."""
+    prepacked fp16 and the AMX path's bfloat16 matrices of :class:`Int4Linear` (2 bytes per weight each)."""
     seen, total = set(), 0
     for t in (*model.parameters(), *model.buffers()):
         if id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     for m in model.modules():
-        if isinstance(m, Int4Linear) and m._fp16 is not None:
-            total += 2 * m.in_features * m.out_features
+        if isinstance(m, Int4Linear):
+            total += 2 * m.in_features * m.out_features * ((m._fp16 is not None) + (m._bf16 is not None))
     return total
 
 
