@@ -46,7 +46,7 @@ HEALTH_INTERVAL_S = 0.5
 #: A probe after an ``abort`` (is the replica gone?) gives up after this long: gone.
 PROBE_TIMEOUT_S = 5.0
 
-STATS_KEYS = ("kv_blocks_used", "kv_blocks_total", "queued_tokens", "running", "waiting")
+STATS_KEYS = ("kv_blocks_used", "kv_blocks_total", "queued_tokens", "running", "waiting", "threads")
 
 
 def engine_stats(engine: Any) -> Optional[Dict[str, int]]:

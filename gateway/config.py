@@ -81,6 +81,12 @@ NATIVE_PROPERTIES = {
                                               "engine may use; the KV cache gets what the weights and a measured "
                                               "activation peak leave (as vLLM).  Default 0.9 where kv_cache_tokens "
                                               "is not set; where it is set, kv_cache_tokens sizes the cache"},
+    "adapt_threads": {"type": "boolean",
+                      "description": "CPU only: run each step on as many torch threads as there are free cores "
+                                     "(at most engine.threads), re-chosen from the scheduler's accounting while "
+                                     "the engine runs, so a busy neighbour or a tool worker does not stall every "
+                                     "parallel region (docs/cpu-engine.md); false: always engine.threads. "
+                                     "Default true"},
 }
 
 #: ``gpu_memory_utilization`` of a native engine whose configuration sizes its cache neither way

@@ -77,6 +77,8 @@ class Metrics:
                                       ["tool"], buckets=LATENCY_BUCKETS, registry=r)
         self.kv_blocks = Gauge("interlace_kv_blocks_in_use", "KV cache blocks in use", ["model"], registry=r)
         self.kv_blocks_total = Gauge("interlace_kv_blocks_total", "KV cache blocks", ["model"], registry=r)
+        self.engine_threads = Gauge("interlace_engine_threads", "CPU threads the model's native engine steps run "
+                                    "on now (adapted to the free cores; summed over replicas)", ["model"], registry=r)
         # per engine replica (engine_ext/replicas.py; an engine alone is replica "0"), read at scrape time
         self.replicas = ReplicaCollector()
         r.register(self.replicas)
@@ -105,6 +107,7 @@ class Metrics:
         read from the engine's load stats when scraped."""
         self.kv_blocks.labels(model).set_function(lambda: _stat(engine, "kv_blocks_used"))
         self.kv_blocks_total.labels(model).set_function(lambda: _stat(engine, "kv_blocks_total"))
+        self.engine_threads.labels(model).set_function(lambda: _stat(engine, "threads"))
         self.replicas.engines.append((model, engine))
 
     def bind_routes(self, routes: Iterable[BaseRoute]) -> None:

@@ -65,6 +65,7 @@ from .attention import choose_backend
 from .block_manager import BlockManager
 from .block_sharing import VariantSet
 from .contexts import ContextCommands
+from .cores import ThreadGovernor
 from .interception import Interceptor
 from .loader import load_for_engine
 from .model_runner import ModelRunner
@@ -92,7 +93,7 @@ class NativeEngine:
                  name: str = "model", profile: Optional[Profile] = None, host_pool_tokens: Optional[int] = None,
                  prefix_caching: bool = True, variants: Optional["VariantSet"] = None,
                  attention: str = "torch", cuda_graphs: Optional[bool] = None,
-                 gpu_memory_utilization: Optional[float] = None):
+                 gpu_memory_utilization: Optional[float] = None, adapt_threads: bool = True):
         """``profile`` is the cost model for the swap budget and recomputation
         chunks (else the interception policy's own, else none: swaps move the
         whole context at once and recomputation is not chunked).
@@ -118,7 +119,18 @@ class NativeEngine:
         weights and a measured activation peak leave of it (:mod:`.memory`),
         instead of ``kv_cache_tokens`` (which then sizes the default host
         pool: pinned host memory as large as a GPU's cache would be too much).
-        None: ``kv_cache_tokens``."""
+        None: ``kv_cache_tokens``.
+        ``adapt_threads`` (CPU only; default on): each step runs on as many of
+        torch's threads (at most the engine thread's count at start, i.e.
+        ``engine.threads`` or the usable cores) as there are free cores,
+        re-chosen while the engine runs (:mod:`.cores`): beside a busy
+        neighbour a fixed count stalls every parallel region.  ``False``:
+        the count stays as it was."""
+        if not isinstance(adapt_threads, bool):
+            raise ValueError(f"adapt_threads must be true or false, got {adapt_threads!r}")
+        self._adapt_threads = adapt_threads
+        self.threads: Optional["ThreadGovernor"] = None  # the engine thread's, on a CPU with adapt_threads
+        self._fixed_threads = 0  # the engine thread's torch threads at start (CPU)
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
         if gpu_memory_utilization is not None:
@@ -349,8 +361,9 @@ class NativeEngine:
         KV blocks in use and in all, ``queued_tokens`` (tokens of active
         contexts still to compute: prefill chunks and next decodes),
         ``running`` (contexts generating, not paused), ``waiting`` (active
-        contexts with tokens to compute that are not generating: fills) and
-        ``contexts``.  (Named so because ``stats`` is the dict of counters.)"""
+        contexts with tokens to compute that are not generating: fills),
+        ``contexts`` and ``threads`` (the CPU threads its steps run on now;
+        0 on a GPU).  (Named so because ``stats`` is the dict of counters.)"""
         for _ in range(3):
             try:
                 active = list(self.scheduler.active)
@@ -364,7 +377,8 @@ class NativeEngine:
         queued = sum(max(0, c.num_uncomputed) for c in active)
         waiting = sum(1 for c in active if c.gen is None and c.num_uncomputed > 0)
         return {"kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
-                "queued_tokens": queued, "running": running, "waiting": waiting, "contexts": len(contexts)}
+                "queued_tokens": queued, "running": running, "waiting": waiting, "contexts": len(contexts),
+                "threads": self.threads.threads if self.threads is not None else self._fixed_threads}
 
     async def check_invariants(self) -> dict:
         """Verify block and context bookkeeping; returns usage counts."""
@@ -434,6 +448,9 @@ class NativeEngine:
                 from . import cpu_matmul
 
                 cpu_matmul.load()
+                self._fixed_threads = torch.get_num_threads()
+                if self._adapt_threads:  # torch's thread count is per thread: this one's, from here on
+                    self.threads = ThreadGovernor(self._fixed_threads, torch.set_num_threads)
         except BaseException as e:
             started.set_exception(e)
             return
@@ -523,6 +540,8 @@ class NativeEngine:
             self.swap_trace.append((self.stats["steps"], n_out, n_in, limit))
         if not batch.chunks:
             return
+        if self.threads is not None:
+            self.stats["threads"] = self.threads.tick()
         t0 = time.perf_counter()
         logits, rows = self.runner.run(batch)
         if self.device.type != "cuda":

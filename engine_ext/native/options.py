@@ -35,7 +35,7 @@ ATTENTION = ("auto", "kernel", "triton", "torch")
 #: The settings of a native engine (a model's, or a native engine object's, in the gateway's
 #: config) that are :meth:`NativeEngine.load` keyword arguments, passed on as they are.
 LOAD_KEYS = ("dtype", "weights", "device", "block_size", "kv_cache_tokens", "max_batched_tokens", "max_seqs",
-             "max_model_len", "attention", "cuda_graphs", "gpu_memory_utilization")
+             "max_model_len", "attention", "cuda_graphs", "gpu_memory_utilization", "adapt_threads")
 
 
 def one_of(names: Iterable[str]) -> str:

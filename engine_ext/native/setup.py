@@ -29,27 +29,23 @@ log = logging.getLogger(__name__)
 ZOO_PREFIX = "zoo/"
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask: a container's or
-    ``taskset``'s limit, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
 def set_engine_threads(requested: Optional[int] = None) -> tuple[int, str]:
     """Set torch's intra-op (OpenMP) threads for the engines in this process:
-    ``requested``, else one per usable core.  More runnable OpenMP workers
-    than free cores make every matmul wait for the slowest one (a decode step
-    measured 0.78 s went to 3.8 s on a busy 2-core machine).  Returns the
-    count and where it came from, for the start-up log."""
+    ``requested``, else one per usable core (:func:`.cores.usable_cores`:
+    the affinity mask, capped by a cgroup's CPU quota).  More runnable OpenMP
+    workers than free cores make every matmul wait for the slowest one (a
+    decode step measured 0.78 s went to 3.8 s on a busy 2-core machine), so
+    this is the *most* an engine uses: with ``adapt_threads`` (the default)
+    each engine runs on as many of them as are free (:mod:`.cores`).  Returns
+    the count and where it came from, for the start-up log."""
     import torch
+
+    from .cores import usable_cores
 
     cores = usable_cores()
     n = int(requested) if requested else cores
     torch.set_num_threads(n)
-    why = "engine.threads" if requested else f"the {cores} core(s) in this process's affinity mask"
+    why = "engine.threads" if requested else f"the {cores} core(s) this process may use (affinity, cgroup quota)"
     if requested and requested > cores:
         why += f"; more than the {cores} core(s) this process may use: expect stalls"
     return torch.get_num_threads(), why

@@ -41,3 +41,23 @@ def make_tiny_model(kind: str, out_dir: Path, seed: int = 0):
                 p.normal_(0, 0.15)
     model.save_pretrained(out_dir, safe_serialization=True)
     return model
+
+
+def tiny_engine(layers: int = 2, hidden: int = 64, **engine_kw):
+    """A native engine (CPU, the compiled attention where it builds) over a random llama of ``layers``
+    layers and width ``hidden``, built in memory: for tests of the engine's own machinery."""
+    from interlace.engine_ext.native.engine import NativeEngine
+    from interlace.engine_ext.native.models.llama import LlamaForCausalLM, ModelConfig
+
+    cfg = ModelConfig(model_type="llama", vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
+                      attention_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    engine_kw.setdefault("attention", "auto")
+    engine_kw.setdefault("kv_cache_tokens", 2048)
+    return NativeEngine(model.eval(), **engine_kw)
