@@ -8,7 +8,7 @@ engine (when ``vllm`` imports, or ``--vllm-python`` names a Python that has it;
 prefix caching off, eager).
 
     interlace bench engine [--batches 1 8 32] [--new 64] [--long 2048] [--repeat 3]
-                           [--variants "interlace float32" "vllm bfloat16" ...]
+                           [--variants "interlace float32" "vllm bfloat16" ...] [--neighbour 0 1]
 
 On a GPU: ``interlace bench engine --device cuda`` (:mod:`.engine_cuda`).
 
@@ -26,6 +26,13 @@ Each variant (engine x weights) is measured in a fresh subprocess (so no
 variant inherits another's threads, caches or allocator state), the variants
 take turns within each of ``--repeat`` rounds (so a noisy neighbour on a
 shared machine hits them alike), and the best round per cell is reported.
+
+``--neighbour N`` runs the same cells with N busy processes beside each
+variant (pure-Python loops, started after its warm-up): a server's other
+work, or the tool workers of partial execution.  Several counts in one run
+(``--neighbour 0 1``) give each variant a quiet row and a ``+1`` row, and the
+ratios of one to the other.  The header records the machine's ISA class
+(AVX2, AVX-512, AMX): which kernels every engine could use.
 """
 
 from __future__ import annotations
@@ -217,20 +224,63 @@ def load_variant(variant: str, model: Optional[str], kv_tokens: int):
     raise SystemExit(f"unknown variant {variant!r}")
 
 
-def engine_weights(what: str) -> Dict[str, str]:
-    """``interlace X[/ATTENTION]``: X is a dtype (float32, bfloat16: dense weights in it) or a weights
-    setting (as-shipped, int8: quantized weights); decode attention as served (``auto``: the compiled
-    kernel where it builds) unless ``/torch`` asks for the reference gather."""
-    what, _, attention = what.partition("/")
-    out = {"attention": attention or "auto"}
+#: ``interlace X/passive``: OpenMP's threads sleep at once at a barrier (``OMP_WAIT_POLICY=PASSIVE``);
+#: ``interlace X/spin=N``: they spin N rounds first (``GOMP_SPINCOUNT``; libgomp's default is 300000, and
+#: 1000 where it sees more threads than CPUs).  Read when OpenMP starts: set in the worker's environment.
+WAIT_OPTIONS = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+def worker_env(variant: str) -> Dict[str, str]:
+    """The environment a variant's worker runs with: ours, plus its OpenMP wait policy options."""
+    import os
+
+    env = dict(os.environ)
+    for opt in variant.split(maxsplit=1)[-1].split("/")[1:]:
+        env.update(WAIT_OPTIONS.get(opt, {}))
+        if opt.startswith("spin="):
+            env["GOMP_SPINCOUNT"] = str(int(opt[len("spin="):]))
+    return env
+
+
+def engine_weights(what: str) -> Dict[str, object]:
+    """``interlace X[/ATTENTION][/fixed][/passive|/spin=N]``: X is a dtype (float32, bfloat16: dense
+    weights in it) or a weights setting (as-shipped, int8: quantized weights); decode attention as served
+    (``auto``: the compiled kernel where it builds) unless ``/torch`` asks for the reference gather;
+    threads as served (adapted to the free cores) unless ``/fixed`` keeps them at torch's count
+    (``adapt_threads: false``); OpenMP's wait policy as served unless ``/passive`` or ``/spin=N``
+    (:func:`worker_env`)."""
+    what, *rest = what.split("/")
+    out: Dict[str, object] = {"attention": "auto"}
+    for opt in rest:
+        if opt == "fixed":
+            out["adapt_threads"] = False
+        elif opt not in WAIT_OPTIONS and not opt.startswith("spin="):  # those are the worker's environment
+            out["attention"] = opt
     if what in ("float32", "bfloat16", "float16"):
         return {**out, "dtype": what}
     return {**out, "weights": what}
 
 
+#: A busy neighbour: a pure-Python loop holding one core (the issue's, and what a CPU-bound tool worker
+#: or another service on the server does), until it is killed.
+NEIGHBOUR = "while True:\n    pass\n"
+
+
+def isa_class(mach: Dict[str, object]) -> str:
+    """The machine's matmul ISA in one word, for the table: AMX, AVX-512 (+VNNI/BF16), AVX2 or other."""
+    isa = set(mach.get("isa") or ())
+    if {"amx_tile", "amx_bf16"} <= isa:
+        return "AMX"
+    if "avx512f" in isa:
+        extra = [n for f, n in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16")) if f in isa]
+        return "AVX-512" + (f" ({', '.join(extra)})" if extra else "")
+    return "AVX2" if "avx2" in isa else "other"
+
+
 def measure(variant: str, model: Optional[str], batches: List[int], lens: tuple, long: int,
-            new: int) -> Dict[str, Optional[dict]]:
-    """One variant ("interlace float32", "vllm bfloat16", "llama.cpp Q4_1", ...), every case, in this process."""
+            new: int, neighbours: int = 0) -> Dict[str, Optional[dict]]:
+    """One variant ("interlace float32", "vllm bfloat16", "llama.cpp Q4_1", ...), every case, in this process;
+    with ``neighbours`` busy processes running beside it from after the warm-up to the end."""
     from interlace.engine_ext.embedded import embedded_model_dir
     from interlace.engine_ext.native.loader import load_config, resolve_model_dir
 
@@ -238,11 +288,18 @@ def measure(variant: str, model: Optional[str], batches: List[int], lens: tuple,
     vocab = load_config(model_dir)[1].vocab_size
     kv_tokens = max(max(batches) * (lens[1] + new), long + new) + 1024
     fn, eng, close = load_variant(variant, model, kv_tokens)
+    busy: List[subprocess.Popen] = []
     try:
         fn(eng, prompts(vocab, 1, 32, seed=1), 4)  # warm-up: kernels, allocator
+        busy = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) for _ in range(neighbours)]
+        if busy:
+            time.sleep(0.5)  # running, and seen by the scheduler, before the first cell
         return {c: fn(eng, case_prompts(c, vocab, lens, long, seed=1000 + i), new)
                 for i, c in enumerate(cases(batches, long))}
     finally:
+        for p in busy:
+            p.kill()
+            p.wait()
         close()
 
 
@@ -262,13 +319,14 @@ def available_variants(model: Optional[str], dtypes: List[str], vllm_python: Opt
     return out
 
 
-def run_worker(variant: str, args: argparse.Namespace) -> Dict[str, object]:
+def run_worker(variant: str, args: argparse.Namespace, neighbours: int = 0) -> Dict[str, object]:
     python = args.vllm_python if variant.startswith("vllm") and args.vllm_python else sys.executable
     cmd = [python, "-m", "interlace.bench.engine", "--worker", variant, "--batches", *map(str, args.batches),
-           "--prompt-lens", *map(str, args.prompt_lens), "--long", str(args.long), "--new", str(args.new)]
+           "--prompt-lens", *map(str, args.prompt_lens), "--long", str(args.long), "--new", str(args.new),
+           "--neighbour", str(neighbours)]
     if args.model:
         cmd += ["--model", args.model]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(variant))
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if out.returncode != 0 or line is None:
         print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
@@ -309,45 +367,64 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--vllm-python", help="a Python with vLLM's CPU build, for the vllm variants")
     ap.add_argument("--plot", help="save a PNG plot of decode tokens/s here")
     ap.add_argument("--json", help="also write every round as JSON here")
+    ap.add_argument("--neighbour", type=int, nargs="+", default=[0], metavar="N",
+                    help="measure every cell with N busy processes (a pure-Python loop each) beside the engine; "
+                         "several values: each, in one run (e.g. 0 1: quiet and beside one)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one variant, print JSON
     args = ap.parse_args(argv)
     lens = tuple(args.prompt_lens)
+    if any(n < 0 for n in args.neighbour):
+        ap.error("--neighbour: a count of busy processes, 0 or more")
 
     if args.worker:
-        res = measure(args.worker, args.model, args.batches, lens, args.long, args.new)
+        res = measure(args.worker, args.model, args.batches, lens, args.long, args.new, args.neighbour[0])
         print("RESULT " + json.dumps({"result": res, "machine": machine(), "versions": versions()}))
         return 0
 
-    variants = args.variants or available_variants(args.model, args.dtypes, args.vllm_python)
+    base = args.variants or available_variants(args.model, args.dtypes, args.vllm_python)
+    # a row per variant and neighbour count: "interlace as-shipped" quiet, "interlace as-shipped +1" beside one
+    rowname = {(v, n): (v if n == 0 else f"{v} +{n}") for n in args.neighbour for v in base}
+    variants = list(rowname.values())
     keys = cases(args.batches, args.long)
     rounds: Dict[str, List[Dict[str, Optional[dict]]]] = {v: [] for v in variants}
     mach: Dict[str, object] = {}
     vers: Dict[str, str] = {}
+    order = list(rowname)
     for r in range(args.repeat):
-        for v in (variants if r % 2 == 0 else variants[::-1]):
-            got = run_worker(v, args)
+        for v, n in (order if r % 2 == 0 else order[::-1]):
+            got = run_worker(v, args, n)
             mach = got["machine"] if v.startswith("interlace") or not mach else mach
             vers.update(got.get("versions") or {})
-            rounds[v].append(got["result"])
-            print(f"round {r + 1}/{args.repeat} {v}: " + ", ".join(
-                f"{c} decode {x['decode']:.0f} tok/s" for c, x in rounds[v][-1].items() if x), file=sys.stderr)
+            rounds[rowname[v, n]].append(got["result"])
+            print(f"round {r + 1}/{args.repeat} {rowname[v, n]}: " + ", ".join(
+                f"{c} decode {x['decode']:.0f} tok/s" for c, x in rounds[rowname[v, n]][-1].items() if x),
+                file=sys.stderr)
     rows = {v: {c: ({k: max(rd[c][k] for rd in rounds[v]) for k in ("prefill", "decode")}
                     if all(rd.get(c) for rd in rounds[v]) else None) for c in keys} for v in variants}
 
     name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct (embedded, GGUF Q4_1)"
     label = {c: (f"b={c}" if c != LONG else f"b=1, {args.long}-token prompt") for c in keys}
     print(f"\n{name} | prompts {lens[0]}-{lens[1]} tokens, {args.new} new | best of "
-          f"{args.repeat}\nmachine: {describe_machine(mach)}\nversions: "
+          f"{args.repeat}\nmachine: {describe_machine(mach)}\nISA class: {isa_class(mach)}\nversions: "
           + ", ".join(f"{k} {v}" for k, v in sorted(vers.items())) + "\n")
+    if any(args.neighbour):
+        print("+N: the same cells with N busy processes (a pure-Python loop each) beside the engine\n")
     print("decode tokens/s (prefill tokens/s)\n")
     print("| variant | " + " | ".join(label[c] for c in keys) + " |")
     print("|" + "---|" * (1 + len(keys)))
     for v, row in rows.items():
         print(f"| {v} | " + " | ".join(f"{row[c]['decode']:.1f} ({row[c]['prefill']:.0f})" if row[c] else "-"
                                        for c in keys) + " |")
-    print_ratios(rows, keys, label)
+    for n in args.neighbour:
+        suffix = "" if n == 0 else f" +{n}"
+        print_ratios({v[:len(v) - len(suffix)]: row for v, row in rows.items()
+                      if (v.endswith(suffix) if suffix else "+" not in v)}, keys, label,
+                     "" if n == 0 else f" with {n} busy neighbour(s)")
+        if n:
+            print_neighbour_ratios(rows, keys, label, n)
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": mach, "versions": vers, "rounds": rounds, "best": rows},
+        Path(args.json).write_text(json.dumps({"machine": mach, "isa_class": isa_class(mach), "versions": vers,
+                                               "neighbours": args.neighbour, "rounds": rounds, "best": rows},
                                               indent=1))
     if args.plot:
         plot({v: {c: row[c] for c in keys if c != LONG} for v, row in rows.items()},
@@ -356,13 +433,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def print_ratios(rows: Dict[str, Dict[str, Optional[dict]]], keys: List[str], label: Dict[str, str]) -> None:
+def print_ratios(rows: Dict[str, Dict[str, Optional[dict]]], keys: List[str], label: Dict[str, str],
+                 when: str = "") -> None:
     """The engine's best variant against each peer's best, per case (decode tokens/s ratios)."""
     def best(prefix: str, c: str) -> Optional[tuple]:
         got = [(row[c]["decode"], v) for v, row in rows.items() if v.startswith(prefix) and row.get(c)]
         return max(got) if got else None
 
-    print("\ndecode speed, the engine's best variant over each peer's best (same run):")
+    print(f"\ndecode speed{when}, the engine's best variant over each peer's best (same run):")
     for c in keys:
         ours = best("interlace", c)
         if ours is None:
@@ -373,6 +451,18 @@ def print_ratios(rows: Dict[str, Dict[str, Optional[dict]]], keys: List[str], la
             if theirs:
                 parts.append(f"{ours[0] / theirs[0]:.2f}x {theirs[1]}")
         print(f"  {label[c]}: {ours[1]} " + ("; ".join(parts) if parts else "(no peer)"))
+
+
+def print_neighbour_ratios(rows: Dict[str, Dict[str, Optional[dict]]], keys: List[str], label: Dict[str, str],
+                           n: int) -> None:
+    """Each variant's decode speed beside ``n`` busy neighbours over its own quiet speed (same run)."""
+    print(f"\ndecode speed beside {n} busy neighbour(s) over the same variant's quiet speed (same run):")
+    for v, row in rows.items():
+        quiet = rows.get(v[:-len(f" +{n}")]) if v.endswith(f" +{n}") else None
+        if quiet is None:
+            continue
+        print(f"  {v[:-len(f' +{n}')]}: " + "; ".join(
+            f"{label[c]} {row[c]['decode'] / quiet[c]['decode']:.2f}x" for c in keys if row.get(c) and quiet.get(c)))
 
 
 def plot(rows: Dict[str, Dict[str, Optional[dict]]], batches: List[int], title: str, path: str) -> None:

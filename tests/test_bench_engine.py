@@ -4,6 +4,7 @@ numbers themselves are recorded in docs/benchmarks.md, not asserted.  Also
 the machine description every benchmark records (CPU model and ISA flags)."""
 
 import json
+import os
 
 from interlace.engine_ext.machine import cpu_description, describe_cpu
 from interlace.bench import engine as bench_engine
@@ -60,3 +61,38 @@ def test_bench_engine_smoke(tmp_path, capsys):
     assert mach["torch"] and mach["torch_threads"] >= 1 and mach["torch_cpu_capability"]
     assert "machine: " + describe_cpu(mach["cpu"]) in text
     assert png.stat().st_size > 1000
+
+
+def test_isa_class_names_the_matmul_isa():
+    assert bench_engine.isa_class({"isa": cpu_description(lscpu=ZEN2_LSCPU)["isa"]}) == "AVX2"
+    assert bench_engine.isa_class({"isa": cpu_description(lscpu={}, cpuinfo=SPR_CPUINFO)["isa"]}) == "AMX"
+    assert bench_engine.isa_class({"isa": ["avx2", "avx512f", "avx512_vnni", "avx512_bf16"]}) == "AVX-512 (VNNI, BF16)"
+    assert bench_engine.isa_class({"isa": []}) == "other"
+
+
+def test_bench_engine_with_busy_neighbours(tmp_path, capsys):
+    """--neighbour 0 1: a quiet row and a +1 row per variant, in one run, with the neighbour's own ratios;
+    the neighbour processes are gone afterwards."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = tmp_path / "r.json"
+    assert bench_engine.main(["--variants", "interlace float32/fixed", "--batches", "1",
+                              "--prompt-lens", "6", "12", "--long", "0", "--new", "4", "--repeat", "1",
+                              "--neighbour", "0", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for row in ("interlace float32/fixed", "interlace float32/fixed +1"):
+        assert f"| {row} |" in text
+    assert "ISA class: " in text and "beside 1 busy neighbour(s) over the same variant's quiet speed" in text
+    res = json.loads(out.read_text())
+    assert res["neighbours"] == [0, 1] and res["isa_class"] in ("AVX2", "AMX", "other") or \
+        res["isa_class"].startswith("AVX-512")
+    assert res["best"]["interlace float32/fixed +1"]["1"]["decode"] > 0
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert bench_engine.engine_weights("as-shipped/torch/fixed") == {"attention": "torch", "adapt_threads": False,
+                                                                     "weights": "as-shipped"}
+    assert bench_engine.engine_weights("as-shipped/passive/spin=100") == {"attention": "auto",
+                                                                          "weights": "as-shipped"}
+    env = bench_engine.worker_env("interlace as-shipped/spin=100")
+    assert env["GOMP_SPINCOUNT"] == "100" and bench_engine.worker_env("vllm float32") == dict(os.environ)
+    assert bench_engine.worker_env("interlace float32/passive")["OMP_WAIT_POLICY"] == "PASSIVE"
