@@ -255,7 +255,7 @@ def workloads(quick: bool = False) -> List[Workload]:
 
 
 def gateway_config(corpus: Path, db: Path, delay_s: float, tool_nice: int = 0, dtype: str = "float32",
-                   workers: int = 2) -> Dict[str, Any]:
+                   workers: int = 2, adapt_threads: bool = True) -> Dict[str, Any]:
     """The benchmark's gateway.  Server tools and replay are off by default in
     a gateway; this one enables both for its in-process caller.  Every tool
     gets ``workers`` workers (a common tool setting; 2 = the most independent
@@ -266,14 +266,17 @@ def gateway_config(corpus: Path, db: Path, delay_s: float, tool_nice: int = 0, d
     start, i.e. with partial execution from the moment its name is decoded,
     so it includes decoding the arguments: 120 s, so a slow decode on a busy
     machine does not time a call out (the calculator's own default is 5 s).
-    The python tool may use 4 GB (CodeGen's arrays take ~1 GB)."""
+    The python tool may use 4 GB (CodeGen's arrays take ~1 GB).  ``adapt_threads``: the engines' threads
+    follow the free cores, as served (docs/cpu-engine.md); False keeps them fixed."""
     common: Dict[str, Any] = {"workers": workers, "timeout_s": 120.0,
                               **({"nice": tool_nice} if tool_nice else {})}
     return {
         "server": {"server_tools": True, "replay": True},
-        "models": {"smollm2": {"path": "embedded", "dtype": dtype},
-                   "smollm2-code": {"path": "embedded", "parser": "markdown", "dtype": dtype},
-                   "smollm2-plan": {"path": "embedded", "parser": "plan", "dtype": dtype}},
+        "models": {"smollm2": {"path": "embedded", "dtype": dtype, "adapt_threads": adapt_threads},
+                   "smollm2-code": {"path": "embedded", "parser": "markdown", "dtype": dtype,
+                                    "adapt_threads": adapt_threads},
+                   "smollm2-plan": {"path": "embedded", "parser": "plan", "dtype": dtype,
+                                    "adapt_threads": adapt_threads}},
         "plugins": {"entrypoints": False, "modules": [__name__ if __name__ != "__main__" else "interlace.bench.tools"]},
         "tools": {"search": {"corpus": str(corpus), "delay_s": delay_s, **common},
                   "sqlite": {"database": str(db), **common},
@@ -487,7 +490,8 @@ async def measure_pairs(app: Any, wl: Workload, pairs: int, warmup: int = 1,
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(delay_s: float, tool_nice: int = 0, dtype: str = "float32", workers: int = 2):
+async def running_gateway(delay_s: float, tool_nice: int = 0, dtype: str = "float32", workers: int = 2,
+                          adapt_threads: bool = True):
     """The benchmark's gateway app, started (fixtures in a temporary folder, removed after)."""
     from interlace.gateway.app import create_app
     from interlace.gateway.config import parse_config
@@ -495,7 +499,7 @@ async def running_gateway(delay_s: float, tool_nice: int = 0, dtype: str = "floa
     tmp = Path(tempfile.mkdtemp(prefix="interlace-bench-tools-"))
     try:
         fx = write_fixtures(tmp)
-        cfg = parse_config(gateway_config(fx["corpus"], fx["db"], delay_s, tool_nice, dtype, workers),
+        cfg = parse_config(gateway_config(fx["corpus"], fx["db"], delay_s, tool_nice, dtype, workers, adapt_threads),
                            "<bench tools>")
         app = create_app(cfg)
         async with app.router.lifespan_context(app):
@@ -517,10 +521,12 @@ async def bench(args: argparse.Namespace, out: Dict[str, Any]) -> Dict[str, Any]
     if args.engine_threads:
         torch.set_num_threads(args.engine_threads)
     try:
-        out["machine"] = machine(engine_threads=torch.get_num_threads(), torch=torch.__version__)
+        out["machine"] = machine(engine_threads=torch.get_num_threads(), torch=torch.__version__,
+                                 adapt_threads=not args.fixed_threads)
         out.setdefault("workloads", [])
         out.setdefault("runs", [])
-        async with running_gateway(args.delay_s, args.tool_nice, args.dtype, args.workers) as app:
+        async with running_gateway(args.delay_s, args.tool_nice, args.dtype, args.workers,
+                                   not args.fixed_threads) as app:
             for wl in chosen:
                 off, on = await measure_pairs(app, wl, args.pairs, args.warmup, args.verbose)
                 row = summarize(wl, off, on)
@@ -680,8 +686,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-s", type=float, default=0.7, help="emulated network delay of each search (s)")
     p.add_argument("--workers", type=int, default=2,
                    help="workers per tool (enough for a round's independent calls to run in parallel)")
-    p.add_argument("--engine-threads", type=int, default=1,
-                   help="torch threads for the engine (0: torch's default); 1 leaves the other cores to the tools")
+    p.add_argument("--engine-threads", type=int, default=0,
+                   help="the engine's most torch threads (0: torch's default, the usable cores, as served); "
+                        "the engine runs on as many of them as are free unless --fixed-threads")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="keep the engine's threads fixed (adapt_threads: false) instead of following the free "
+                        "cores as served")
     p.add_argument("--tool-nice", type=int, default=10,
                    help="nice value for the tool worker processes (0: leave them at the gateway's priority)")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],

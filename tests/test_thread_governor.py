@@ -156,7 +156,7 @@ class FakeSampler:
         return self.windows.pop(0)
 
 
-def test_governor_applies_changes_once_per_window_and_restarts_after_a_pause():
+def test_governor_applies_changes_once_per_window_and_restarts_after_idling():
     now = [0.0]
     applied = []
     sampler = FakeSampler([win(1.0, 0.0), win(0.0, 0.0)])
@@ -167,10 +167,22 @@ def test_governor_applies_changes_once_per_window_and_restarts_after_a_pause():
     assert gov.tick() == 2 and applied == []            # inside the window
     now[0] = 0.25
     assert gov.tick() == 1 and applied == [1]           # the window said: a core's worth waited
-    now[0] = 5.0                                        # the engine was idle for seconds
+    gov.idle()                                          # the engine waits for work
+    now[0] = 5.0
     assert gov.tick() == 1 and sampler.started == 2 and applied == [1]
     now[0] = 5.3
     assert gov.tick() == 1 and applied == [1]           # nothing new to apply
+
+
+def test_governor_measures_steps_longer_than_a_window():
+    """A step a neighbour stalls takes longer than the window: that is the window to measure, not a pause."""
+    now = [0.0]
+    applied = []
+    sampler = FakeSampler([win(1.0, 0.0, wall=1.5)])
+    gov = ThreadGovernor(2, applied.append, window_s=0.2, sampler=sampler, clock=lambda: now[0])
+    gov.tick()
+    now[0] = 1.5
+    assert gov.tick() == 1 and applied == [1] and sampler.started == 1
 
 
 WAITING_THREADS = """

@@ -132,9 +132,11 @@ class ThreadGovernor:
 
     ``ceiling``: the most threads (``engine.threads``, else the usable
     cores).  ``set_threads``: applies a count (``torch.set_num_threads``, on
-    the engine thread).  A pause in stepping longer than two windows starts a
-    fresh window: an idle engine's cores are idle, and that says nothing
-    about the next step's neighbours."""
+    the engine thread).  The engine calls :meth:`idle` before it waits for
+    work: the next step starts a fresh window, since an idle engine's cores
+    are idle and that says nothing about the next step's neighbours.  (Not
+    inferred from the time between steps: a step that a neighbour stalls
+    takes seconds, and that is exactly the window to measure.)"""
 
     def __init__(self, ceiling: int, set_threads: Callable[[int], None], *, window_s: float = 0.2,
                  sampler: Optional[CoreSampler] = None, policy: Optional[ThreadPolicy] = None,
@@ -147,7 +149,7 @@ class ThreadGovernor:
         if self.policy.cores > 1 and not self.enabled:
             log.info("engine threads fixed at %d: this system's per-thread scheduler statistics "
                      "(/proc/self/task/*/schedstat) cannot be read", self.policy.threads)
-        self._last_tick: Optional[float] = None
+        self._fresh = True  # the next tick starts a window (first step, or after idling)
         self._window_at = 0.0
         self.last_window: Optional[CoreWindow] = None
 
@@ -160,9 +162,9 @@ class ThreadGovernor:
         if not self.enabled:
             return self.policy.threads
         now = self._clock()
-        if self._last_tick is None or now - self._last_tick > 2 * self.window_s:
-            self.sampler.start(now)  # first step, or after a pause: a fresh window
-            self._window_at = now
+        if self._fresh:
+            self.sampler.start(now)
+            self._window_at, self._fresh = now, False
         elif now - self._window_at >= self.window_s:
             self.last_window = self.sampler.window(now)
             self._window_at = now
@@ -172,8 +174,11 @@ class ThreadGovernor:
                 self._set(n)
                 log.debug("engine threads %d -> %d (waiting %.2f cores, idle %.2f cores)", before, n,
                           self.last_window.waiting_cores, self.last_window.idle_cores)
-        self._last_tick = now
         return self.policy.threads
+
+    def idle(self) -> None:
+        """The engine has nothing to step and is about to wait: the next step starts a fresh window."""
+        self._fresh = True
 
 
 __all__ = ["affinity", "cgroup_quota", "usable_cores", "CoreSampler", "ThreadGovernor"]

@@ -468,6 +468,8 @@ class NativeEngine:
                     or self.interceptor.undecided())
             # preserved contexts are reconsidered as their calls age, even with nothing else to do
             reconsider = self.interceptor.preserving()
+            if not busy and self.threads is not None:
+                self.threads.idle()  # the cores while we wait say nothing about the next step's neighbours
             try:
                 item = self._cmds.get(block=not busy, timeout=0.05 if reconsider and not busy else None)
             except queue.Empty:
