@@ -268,7 +268,7 @@ NEIGHBOUR = "while True:\n    pass\n"
 
 def isa_class(mach: Dict[str, object]) -> str:
     """The machine's matmul ISA in one word, for the table: AMX, AVX-512 (+VNNI/BF16), AVX2 or other."""
-    isa = set(mach.get("isa") or ())
+    isa = set((mach.get("cpu") or mach).get("isa") or ())  # a machine() record, or its cpu part
     if {"amx_tile", "amx_bf16"} <= isa:
         return "AMX"
     if "avx512f" in isa:
