@@ -64,7 +64,8 @@ def test_every_load_key_reaches_the_engine(tiny_dirs):
     assert set(options.LOAD_KEYS) <= (load | init) - {"self", "cls", "model_path", "kw"}
     values = {"dtype": "float32", "weights": "float32", "device": "cpu", "block_size": 4, "kv_cache_tokens": 64,
               "max_batched_tokens": 16, "max_seqs": 4, "max_model_len": 32, "attention": "torch",
-              "cuda_graphs": False, "gpu_memory_utilization": 0.5}
+              "cuda_graphs": False, "gpu_memory_utilization": 0.5, "adapt_threads": False}
     assert set(values) == set(options.LOAD_KEYS)
     with NativeEngine.load(tiny_dirs["llama"][0], **values) as eng:
         assert (eng.blocks.num_blocks, eng.max_model_len, eng.runner.attention.name) == (16, 32, "torch")
+        assert eng.threads is None  # adapt_threads reached it

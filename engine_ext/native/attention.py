@@ -72,6 +72,7 @@ class TorchStepArgs:
     decode_starts: Optional[torch.Tensor] = None  # [B] long: where context b's blocks start in decode_tables
     decode_lens: Optional[torch.Tensor] = None    # [B] long: keys per context (its length)
     window: int = 0                               # sliding window (0: none), for the kernel
+    decode_only: bool = False                     # no prefill: decode_rows is every row, in order
 
 
 def prefill_mask(start: int, end: int, window: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -198,7 +199,9 @@ class KernelAttention(TorchAttention):
     """Decode rows through the compiled CPU kernel (``kernel``: a
     :class:`~.cpu_attention.PagedDecodeKernel`), which reads each context's
     blocks in place: no gather, no padding, no mask.  Prefill chunks and the
-    store as :class:`TorchAttention`.  The CPU only."""
+    store as :class:`TorchAttention`.  The CPU only.  A decode-only step
+    (``decode_only``) hands the kernel q itself: no gather of its rows and no
+    scatter into an output, two ops a layer (issue 31)."""
 
     name = "kernel"
 
@@ -224,10 +227,14 @@ class KernelAttention(TorchAttention):
         args.decode_starts = torch.tensor(starts, dtype=torch.long)
         args.decode_lens = torch.tensor([n for _, n, _ in decodes], dtype=torch.long)
         args.window = window or 0
+        args.decode_only = not prefills
         return args
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, args: TorchStepArgs,
                scale: float) -> torch.Tensor:
+        if args.decode_only:  # every row: no gather of q's rows, no scatter into an output (2 ops a layer)
+            return self.kernel(q.float(), k_cache, v_cache, args.decode_tables, args.decode_starts, args.decode_lens,
+                               scale, args.window).to(q.dtype)
         out = torch.empty_like(q)
         if args.prefills:
             _prefill_attention(q, k_cache, v_cache, args.prefills, scale, out)

@@ -11,13 +11,19 @@ concatenated (chunked prefills and single-token decodes mixed), with
 engine's attention backend with this step's arguments for it: each layer
 stores its K/V and attends through that one object (``native/attention.py``:
 torch, the CPU kernel or Triton), whichever it is.
+
+With the fused ops (quantized float32 on the CPU, or Triton) the layers run
+as one loop over a :class:`FusedPlan` that calls no module: each module call
+with the reshapes and no-op dtype conversions around a quantized matmul cost
+~10 us, ~1/3 of a 12 ms batch-1 step with the other per-step rebuilding
+(docs/cpu-engine.md, issue 31).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +124,10 @@ class AttentionMetadata:
     fused: Optional[Any] = None
     cos: Optional[torch.Tensor] = None            # [T, head_dim] (activation dtype), for the fused rotary embedding
     sin: Optional[torch.Tensor] = None
+    # one past the step's largest position, where the caller knows it (the model runner): cos and sin then
+    # come from the model's table (:meth:`LlamaForCausalLM.rope`); 0: computed for the step's positions
+    positions_end: int = 0
+    fused_plan: Optional["FusedPlan"] = None      # what the fused layers read, built once (model runner)
 
 
 class RMSNorm(nn.Module):
@@ -143,6 +153,31 @@ def _linear(mod: nn.Linear, x: torch.Tensor, meta: "AttentionMetadata") -> torch
 
 def _norm(mod: "RMSNorm", x: torch.Tensor, meta: "AttentionMetadata") -> torch.Tensor:
     return mod(x) if meta.variants is None else meta.variants.norm(mod, x)
+
+
+class FusedPlan(NamedTuple):
+    """What :meth:`LlamaForCausalLM._fused_forward` reads, gathered once per KV cache rather than once
+    per step (:meth:`LlamaForCausalLM.fused_plan`): per layer ``(qkv, o, gate_up, down, k_cache,
+    v_cache, post_norm weight, next norm weight)`` -- the four projections as :func:`rows_fn`'s
+    callables, the layer's cache views -- then the first norm's weight and the head's callable.
+    Rebuilding it each step (a ModuleList slice, 60 cache selects, ~480 module calls and attribute
+    lookups) was ~1 ms of a 12 ms batch-1 step on a Zen 3 machine (docs/cpu-engine.md)."""
+
+    layers: List[tuple]
+    first_norm: torch.Tensor
+    head: Callable[[torch.Tensor], torch.Tensor]
+
+
+def rows_fn(mod: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A callable equal to ``mod(x)`` for ``x`` a contiguous ``[rows >= 1, in_features]`` matrix of
+    ``dtype``: a quantized linear's own matmul (``quant.Int4Linear._matmul``, which picks its kernel
+    per call, the AMX path included) where the module has no bias and ``dtype`` is float32 -- without
+    the module call and the reshapes and dtype conversions around it (no-ops here, ~10 us a call) --
+    else the module itself."""
+    matmul = getattr(mod, "_matmul", None)
+    if matmul is not None and getattr(mod, "bias", None) is None and dtype == torch.float32:
+        return matmul
+    return mod
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -239,40 +274,79 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._rope_table: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # cos, sin [n, head_dim] (rope)
+
+    def rope(self, positions: torch.Tensor, end: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, head_dim]`` (contiguous, ``dtype``) of ``positions``.  With ``end`` (one past
+        the largest position) they are rows of a table of positions ``[0, n)`` kept with the model (grown
+        to a power of two >= ``end``): two index_selects instead of the ~10 ops that compute them (at
+        batch 1 ~0.1 ms of a step).  The table's rows are computed by the same ops as the direct path,
+        so they are the same numbers."""
+        if not end:
+            return self._cos_sin(positions, dtype)
+        table = self._rope_table
+        if table is None or table[0].shape[0] < end or table[0].dtype != dtype or table[0].device != positions.device:
+            n = 1 << max(end - 1, 255).bit_length()
+            table = self._rope_table = self._cos_sin(torch.arange(n, device=positions.device), dtype)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_rows: Optional[torch.Tensor]) -> torch.Tensor:
         """Run the flat batch, write its KV, and return float32 logits for
-        ``logits_rows`` only (the last new token of contexts that need one)."""
+        ``logits_rows`` only (the last new token of contexts that need one; None: every row, in order)."""
         x = self.embed(input_ids) if meta.variants is None else meta.variants.embed(self.embed, input_ids)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        cos, sin = self.rope(positions, meta.positions_end, x.dtype)
         if meta.fused is not None:
             return self._fused_forward(x, cos, sin, kv_caches, meta, logits_rows)
+        cos, sin = cos[:, None, :], sin[:, None, :]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_caches[i], meta)
+        if logits_rows is not None:
+            x = x[logits_rows]
         if meta.variants is None:
-            return self.lm_head(self.norm(x[logits_rows])).float()
+            return self.lm_head(self.norm(x)).float()
+        if logits_rows is None:
+            logits_rows = torch.arange(x.shape[0], device=x.device)
         rows = meta.variants.select(logits_rows)  # the logit rows' variants
-        return rows.linear(self.lm_head, rows.norm(self.norm, x[logits_rows])).float()
+        return rows.linear(self.lm_head, rows.norm(self.norm, x)).float()
+
+    def fused_plan(self, kv_caches: torch.Tensor) -> FusedPlan:
+        """:class:`FusedPlan` for this model's current modules and the cache ``kv_caches``."""
+        dtype = self.norm.weight.dtype
+        following = [layer.input_norm.weight for layer in self.layers][1:] + [self.norm.weight]
+        layers = []
+        for i, layer in enumerate(self.layers):
+            a, m = layer.attn, layer.mlp
+            layers.append((rows_fn(a.qkv, dtype), rows_fn(a.o, dtype), rows_fn(m.gate_up, dtype),
+                           rows_fn(m.down, dtype), kv_caches[i, 0], kv_caches[i, 1], layer.post_norm.weight,
+                           following[i]))
+        return FusedPlan(layers, self.layers[0].input_norm.weight, rows_fn(self.lm_head, dtype))
 
     def _fused_forward(self, x, cos, sin, kv_caches, meta: AttentionMetadata, logits_rows) -> torch.Tensor:
         """The same layers with the residual add and the next RMSNorm as one op, SiLU-times-up as
         one, the rotary embedding and the cache write as one (``meta.fused``: the C++ ops in
         float32, or the Triton ops in float32/bfloat16/float16), no variants, no q/k norm (the
-        model runner checks).  The residual stream ``x`` is updated in place, in its dtype."""
+        model runner checks).  The residual stream ``x`` is updated in place, in its dtype.  The
+        loop reads ``meta.fused_plan`` (built here when the caller has none) and calls no module."""
         ops, eps, T = meta.fused, self.cfg.rms_norm_eps, x.shape[0]
-        meta.cos, meta.sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
+        plan = meta.fused_plan or self.fused_plan(kv_caches)
+        meta.cos, meta.sin = cos, sin
+        attend, args, slots = meta.attention.attend, meta.attention_args, meta.slot_mapping
+        a0 = self.layers[0].attn
+        H, Hkv, scale = a0.h, a0.hkv, a0.scale
         x = x.contiguous()  # the residual stream, updated in place
-        h = ops.rms_norm(x, self.layers[0].input_norm.weight, eps)
-        norms = [layer.post_norm.weight for layer in self.layers]
-        following = [layer.input_norm.weight for layer in self.layers[1:]] + [self.norm.weight]
-        for i, layer in enumerate(self.layers):
-            h = ops.add_rms_norm_(x, layer.attn(h, cos, sin, kv_caches[i], meta), norms[i], eps)
-            h = ops.add_rms_norm_(x, layer.mlp.down(ops.silu_mul(layer.mlp.gate_up(h))), following[i], eps)
-        return self.lm_head(h[logits_rows]).float()
+        h = ops.rms_norm(x, plan.first_norm, eps)
+        for qkv, o, gate_up, down, k_cache, v_cache, post, following in plan.layers:
+            q = ops.rope_store(qkv(h), cos, sin, H, Hkv, k_cache, v_cache, slots)
+            h = ops.add_rms_norm_(x, o(attend(q, k_cache, v_cache, args, scale).reshape(T, -1)), post, eps)
+            h = ops.add_rms_norm_(x, down(ops.silu_mul(gate_up(h))), following, eps)
+        return plan.head(h if logits_rows is None else h[logits_rows]).float()
 
     # ------------------------------------------------------------- weights
     def hf_weight_map(self) -> List[tuple]:
