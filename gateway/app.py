@@ -95,7 +95,8 @@ class Gateway:
                 from ..engine_ext.native.setup import set_engine_threads
 
                 threads, why = set_engine_threads(cfg.threads)
-                log.info("native engine threads: %d (%s)", threads, why)
+                log.info("native engine threads: at most %d (%s), as many as are free while it runs "
+                         "(adapt_threads)", threads, why)
             engines: Dict[str, Any] = {}  # models that differ only in name/parser share one engine
             zoo_specs = await asyncio.to_thread(zoo_engine_specs, cfg)
             for spec in cfg.models.values():
