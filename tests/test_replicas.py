@@ -11,9 +11,9 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from interlace.engine_ext import errors as E
+from interlace.engine_ext.native.cores import usable_cores
 from interlace.engine_ext.native.engine import NativeEngine
 from interlace.engine_ext.protocol import PauseHint, RequestHint, SamplingParams
 from interlace.engine_ext.replicas import HEALTH_INTERVAL_S, ReplicaSet
@@ -335,8 +335,8 @@ def test_gateway_serves_two_replicas_and_answers_503_when_none_is_left():
             assert metric(text, f'interlace_replica_up{{model="smollm2",replica="{name}"}}') == 1.0
             assert metric(text, f'interlace_replica_kv_blocks_total{{model="smollm2",replica="{name}"}}') == 128
         assert metric(text, 'interlace_kv_blocks_total{model="smollm2"}') == 256
-        # each replica's steps run on 1 .. the process's threads (adapted to the free cores)
-        assert 2 <= metric(text, 'interlace_engine_threads{model="smollm2"}') <= 2 * torch.get_num_threads()
+        # each replica's steps run on 1 .. the usable cores (the gateway's ceiling), adapted to the free cores
+        assert 2 <= metric(text, 'interlace_engine_threads{model="smollm2"}') <= 2 * usable_cores()
         routed = sum(metric(text, f'interlace_replica_routed_total{{model="smollm2",reason="{why}",replica="{n}"}}')
                      for n in ("0", "1") for why in ("affinity", "prefix", "load"))
         assert routed == 2
