@@ -91,9 +91,15 @@ def test_waste_equations_hand_computed():
     assert waste_preserve(200, 3.0) == 600.0
     # eq. 1: T_fwd(200) = 0.01 + 100 * 0.0001 = 0.02 s; (200 + 1000) * 0.02
     assert waste_discard(200, 1000, p) == pytest.approx(24.0)
-    # eq. 4: chunks of S - decodes = 100 - 20 = 80 tokens -> n = 3 chunks of 67 tokens
+    # eq. 4: chunks of S - decodes = 100 - 20 = 80 tokens -> n = 3 chunks of 67 tokens; each chunk's *added*
+    # iteration time beside the 20 decodes is T(87) - T(20) = 0 (flat below S): only the first term is left
     assert recompute_chunks(200, p, decode_tokens=20) == 3
-    assert waste_chunked_discard(200, 1000, p, decode_tokens=20) == pytest.approx(0.02 * 200 / 2 + 3 * 0.01 * 1000)
+    assert waste_chunked_discard(200, 1000, p, decode_tokens=20) == pytest.approx(0.02 * 200 / 2)
+    # past S a chunk adds time: 380 tokens beside 20 decodes cost T(400) - T(20) = 0.04 - 0.01 s
+    big = linear_profile(saturation_tokens=400)
+    assert recompute_chunks(200, big, decode_tokens=20) == 1
+    assert waste_chunked_discard(200, 1000, big, decode_tokens=20) == pytest.approx(
+        0.02 * 200 / 2 + 1 * (big.t_fwd(220) - big.t_fwd(20)) * 1000)
     # eq. 3: 200 tokens = 50 blocks = 50 ms each way, the whole batch of 1200 tokens waits twice
     assert waste_swap(200, 1200, p) == pytest.approx(2 * 0.05 * 1200)
     # a budgeted swap of 200 tokens behind 10 ms iterations: 40 tokens per iteration -> 5 iterations
@@ -105,12 +111,17 @@ def test_min_waste_choice_follows_equation_5():
     p = linear_profile()
     pol = MinWaste(p, swap=False)
     batch = BatchState(context_tokens=1000, decode_tokens=20, batched_tokens=20)
-    # discard costs 32 token-seconds for 200 tokens; preserve 200 * T
-    assert pol.decide(InterceptedContext(200, expected_duration_s=0.1, id="a"), batch) is Handling.PRESERVE
-    assert pol.decide(InterceptedContext(200, expected_duration_s=0.2, id="b"), batch) is Handling.DISCARD
+    # discard costs 2 token-seconds for 200 tokens (eq. 4: chunks under S add no time); preserve 200 * T
+    assert pol.decide(InterceptedContext(200, expected_duration_s=0.005, id="a"), batch) is Handling.PRESERVE
+    assert pol.decide(InterceptedContext(200, expected_duration_s=0.02, id="b"), batch) is Handling.DISCARD
+    # unchunked recomputation (eq. 1, 24 token-seconds) moves the break-even to 0.12 s
+    unchunked = MinWaste(p, swap=False)
+    unchunked.chunked_recompute = False
+    assert unchunked.decide(InterceptedContext(200, expected_duration_s=0.1, id="a"), batch) is Handling.PRESERVE
+    assert unchunked.decide(InterceptedContext(200, expected_duration_s=0.2, id="b"), batch) is Handling.DISCARD
     # no hint, no history: InferCept's dynamic estimate t_now - t_call
     ctx = InterceptedContext(200, tool="search", id="c", call_time=100.0)
-    assert pol.decide(ctx, batch, now=100.05) is Handling.PRESERVE
+    assert pol.decide(ctx, batch, now=100.005) is Handling.PRESERVE
     assert pol.decide(ctx, batch, now=101.0) is Handling.DISCARD
     # learned durations replace the missing hint; outliving them raises the estimate
     pol.durations.observe("search", 0.05)
@@ -125,11 +136,12 @@ def test_swap_budget_goes_to_the_most_wasteful_first():
     big = InterceptedContext(400, expected_duration_s=0.25, id="big")     # out + in: 10 + 10 its = 0.2 s <= 0.25
     small = InterceptedContext(40, expected_duration_s=0.1, id="small")   # behind big's 400: 11 + 1 its > 0.1 s
     plan = pol.plan([small, big], batch)
-    assert plan == {"big": Handling.SWAP, "small": Handling.PRESERVE}   # eq. 5: 4 < 10.2 token-seconds
+    assert plan == {"big": Handling.SWAP, "small": Handling.DISCARD}   # eq. 5: discard 0.2 < preserve 4 token-s
     # alone, the small one fits the budget
     assert pol.plan([small], batch) == {"small": Handling.SWAP}
     # a short call never swaps: it could not be back in time
-    assert pol.decide(InterceptedContext(400, expected_duration_s=0.05, id="x"), batch) is Handling.PRESERVE
+    # (eq. 5 then: preserve 400 * 0.01 = 4 < chunked discard T(400) * 400 / 2 = 8 token-seconds)
+    assert pol.decide(InterceptedContext(400, expected_duration_s=0.01, id="x"), batch) is Handling.PRESERVE
 
 
 def test_interception_names_and_errors():

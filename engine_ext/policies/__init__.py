@@ -5,6 +5,7 @@ and baselines), the predictors they learn with, and the cost model."""
 from .costmodel import BUILTIN_PROFILES, Profile, ProfileError, roofline, unit_profile
 from .interception import (INTERCEPTION_NAMES, BatchState, Discard, Fixed, Handling, InterceptedContext,
                            InterceptionPolicy, MinWaste, Preserve, Swap, make_interception)
+from .hints import SegmentPrediction, SegmentPredictor
 from .objectives import ObjectiveRanking
 from .predictors import OutputLengths, ToolDurations
 from .spec import PolicySpec
@@ -13,4 +14,5 @@ from .ranking import FCFS, LAMPS, RANKING_NAMES, SJF, RankingPolicy, RankState, 
 __all__ = ["BUILTIN_PROFILES", "Profile", "ProfileError", "roofline", "unit_profile", "INTERCEPTION_NAMES",
            "BatchState", "Discard", "Fixed", "Handling", "InterceptedContext", "InterceptionPolicy", "MinWaste", "ObjectiveRanking", "PolicySpec",
            "Preserve", "Swap", "make_interception", "OutputLengths", "ToolDurations", "FCFS", "LAMPS",
-           "RANKING_NAMES", "SJF", "RankingPolicy", "RankState", "SchedInfo", "SJFTotal", "make_ranking"]
+           "RANKING_NAMES", "SJF", "RankingPolicy", "RankState", "SchedInfo", "SJFTotal", "make_ranking",
+           "SegmentPrediction", "SegmentPredictor"]

@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 
 class ProfileError(ValueError):
@@ -89,10 +89,37 @@ class Profile:
         forward pass of ``iteration_s`` seconds (whole blocks)."""
         return int(iteration_s // self.swap_s_per_block) * self.block_size
 
+    def added_time(self, tokens: int, base_tokens: int = 0) -> float:
+        """Seconds that ``tokens`` more tokens add to an iteration already
+        carrying ``base_tokens`` (InferCept's "per-chunk *added* iteration
+        time" of eq. 4).  The attended-context term is the same with or
+        without them (the batch's KV is read either way), so it cancels: on
+        a profile flat below S, a chunk that keeps the iteration under S
+        adds nothing."""
+        if tokens <= 0:
+            return 0.0
+        return max(0.0, self.t_fwd(base_tokens + tokens) - self.t_fwd(base_tokens)) if base_tokens > 0 else \
+            self.t_fwd(tokens)
+
     def recompute_chunk(self, decode_tokens: int) -> int:
         """Tokens of recomputation that fit in one iteration beside
         ``decode_tokens`` decodes without passing the saturation point."""
         return max(self.block_size, self.saturation_tokens - decode_tokens)
+
+    def prefill_budget(self, decode_tokens: int, chunked: bool, max_batched_tokens: Optional[int] = None) -> int:
+        """Tokens an iteration gives its waiting work (new prompts, tool
+        results, recomputation alike) beside ``decode_tokens`` decodes.
+
+        ``chunked`` (InferCept's chunked recomputation): the iteration is
+        filled "until the GPU saturation point is reached" (section 4.3), so
+        every prefill token counts against S minus the decodes (at least one
+        block: progress); otherwise the engine's token budget.  One rule for
+        the simulator and the native engine (an earlier simulator capped only
+        recomputation at S while new prompts took the whole budget, which
+        alone inverted the ablation's "+ chunked recompute" step)."""
+        cap = self.max_batched_tokens if max_batched_tokens is None else max_batched_tokens
+        room = max(0, cap - decode_tokens)
+        return min(room, self.recompute_chunk(decode_tokens)) if chunked else room
 
     @property
     def kv_gb_per_token(self) -> float:
