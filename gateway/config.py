@@ -42,6 +42,10 @@ POLICY_PROPERTIES = {
     "ranking": {"enum": list(RANKING_NAMES), "description": "which waiting request runs first: lamps"},
     "starvation_threshold": {"type": "integer", "minimum": 1},
     "refresh_interval": {"type": "integer", "minimum": 1},
+    "horizon": {"enum": ["segment", "job"],
+                "description": "LAMPS scores up to the next call (segment) or adds the predicted later ones (job)"},
+    "handling_at_call": {"type": "boolean",
+                         "description": "LAMPS: a call gets the handling predicted for its segment (Algorithm 1)"},
     "profile": {"type": "string", "minLength": 1,
                 "description": "'auto' (measured at start-up, cached), a profile JSON file or a built-in name"},
     "swap_space_tokens": {"type": "integer", "minimum": 0, "description": "host swap pool (default: the KV cache)"},
@@ -307,7 +311,8 @@ MODEL_DEFAULTS = {"engine": "native", "parser": "hermes", "dtype": "auto", "bloc
                   "kv_cache_tokens": 16384, "max_batched_tokens": 512, "max_seqs": 256, "attention": "auto"}
 #: The papers' defaults (InferCept's min-waste handling, LAMPS' ranking with its threshold of 100).
 POLICY_DEFAULTS = {"interception": "infercept", "ranking": "lamps", "starvation_threshold": 100,
-                   "refresh_interval": 1, "profile": "auto", "prefix_caching": True}
+                   "refresh_interval": 1, "horizon": "job", "handling_at_call": False, "profile": "auto",
+                   "prefix_caching": True}
 RETENTION_DEFAULTS = {"enabled": True, "max_contexts": 64, "ttl_s": 600.0}
 
 
@@ -664,7 +669,8 @@ def _policy(defaults: Dict[str, Any], own: Dict[str, Any], kv_cache_tokens: int,
             raise ConfigError(f"{source}: {where}: {e}") from None
     return PolicySpec(interception=p["interception"], ranking=p["ranking"],
                       starvation_threshold=p["starvation_threshold"], refresh_interval=p["refresh_interval"],
-                      profile=p["profile"], swap_space_tokens=p.get("swap_space_tokens", kv_cache_tokens),
+                      horizon=p["horizon"], handling_at_call=p["handling_at_call"], profile=p["profile"],
+                      swap_space_tokens=p.get("swap_space_tokens", kv_cache_tokens),
                       prefix_caching=p["prefix_caching"])
 
 

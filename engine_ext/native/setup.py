@@ -92,7 +92,8 @@ def build_native_engine(path: str | os.PathLike, engine_args: Mapping[str, Any],
         # Parrot's objectives (latency first, task groups together) around the configured ranking
         ranking = ObjectiveRanking(make_ranking(p.ranking, profile, interception,
                                                 starvation_threshold=p.starvation_threshold,
-                                                refresh_interval=p.refresh_interval))
+                                                refresh_interval=p.refresh_interval, horizon=p.horizon,
+                                                handling_at_call=p.handling_at_call))
         engine.set_policies(interception=interception, ranking=ranking, profile=profile)
     except BaseException:
         engine.close()

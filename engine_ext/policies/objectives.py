@@ -26,8 +26,9 @@ torch.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
 
+from .interception import Handling
 from .ranking import Rankable, RankingPolicy, RankState, T
 
 LATENCY, THROUGHPUT = "latency", "throughput"
@@ -77,6 +78,10 @@ class ObjectiveRanking(RankingPolicy):
 
     def observe(self, scheduled: Iterable[Rankable], waiting: Iterable[Rankable]) -> None:
         self.inner.observe(scheduled, waiting)
+
+    def handling_at_call(self, item: Rankable) -> Optional[Handling]:
+        # the wrapped ranking's prediction (LAMPS' Algorithm 1); Parrot's classes do not change it
+        return self.inner.handling_at_call(item)
 
     def on_interception(self, item: Rankable) -> None:
         hook = getattr(self.inner, "on_interception", None)

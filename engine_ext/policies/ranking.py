@@ -22,7 +22,18 @@ which were served (:meth:`RankingPolicy.observe`) so it can count starvation.
   known or predicted (``SchedInfo.future``), so a long multi-call job does
   not look short at each of its segments -- the paper's own remark that
   segmenting "does not account for the cumulative memory consumption of
-  the entire job".
+  the entire job".  ``handling_at_call=True`` applies, at the call, the
+  handling LAMPS predicted for the segment (Algorithm 1, lines 5 and 35-42:
+  the request goes to the preserve, discard or swap queue its label names,
+  and stays there until its call returns) instead of letting the runtime
+  interception policy decide afresh with the batch of that moment.
+
+C_other, one meaning in every engine and the simulator: the KV tokens on
+the device of the requests *running* at the moment of the decision
+(decoding or prefilling; not paused, not swapped out or swapping), without
+the deciding context.  Rankings get it in
+:attr:`RankState.batch_context_tokens`, interception decisions in
+``BatchState.context_tokens``.
 
 Items are the engines' own request objects; a ranking reads ``arrival`` and
 ``sched`` (a :class:`SchedInfo` the engine keeps up to date) and writes
@@ -79,11 +90,21 @@ T = TypeVar("T", bound=Rankable)
 
 @dataclass(frozen=True)
 class RankState:
-    """The engine's state a ranking may use."""
+    """The engine's state a ranking may use.
+
+    ``batch_context_tokens`` is C_other (module doc): the device KV tokens
+    of the requests running when the ranking is asked (decoding or
+    prefilling; not paused, not swapped out or swapping in).  One number
+    for the whole ranked set: a running request's own context is among
+    them, a waiting one's is not (LAMPS predicts a segment's handling once,
+    when the segment is first scored, usually while it waits).  None only
+    where an engine cannot know it: LAMPS then assumes a full cache around
+    the request (capacity minus its context).
+    """
 
     iteration: int = 0
     iteration_s: float = 1.0                    # a recent iteration's time (converts tool time to iterations)
-    batch_context_tokens: Optional[int] = None  # C_other estimate; None: a full cache
+    batch_context_tokens: Optional[int] = None  # C_other: the running requests' device KV tokens (None: unknown)
 
 
 class RankingPolicy:
@@ -98,6 +119,14 @@ class RankingPolicy:
 
     def observe(self, scheduled: Iterable[Rankable], waiting: Iterable[Rankable]) -> None:
         """Called after each iteration with what ran and what waited."""
+
+    def handling_at_call(self, item: Rankable) -> Optional[Handling]:
+        """The handling ``item``'s call must get now that it has reached it,
+        as the ranking predicted it for the segment; None: the interception
+        policy decides afresh (every ranking but LAMPS with
+        ``handling_at_call=True``).  Engines ask *before*
+        ``on_interception`` (which starts the next segment's prediction)."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
@@ -135,15 +164,28 @@ class SJFTotal(RankingPolicy):
 
 
 class LAMPS(RankingPolicy):
-    """Least memory over time first, with starvation prevention (module doc)."""
+    """Least memory over time first, with starvation prevention (module doc).
+
+    The handling term charges the call with the waste of the handling
+    predicted for it (``interception.decide`` on the predicted context at
+    the call, the predicted call time and C_other = the running requests'
+    device KV from :class:`RankState`; a full cache only when the engine
+    passes None).  ``handling_at_call``: that prediction is also what the
+    call gets (:meth:`handling_at_call`), as in the paper's Algorithm 1.
+    """
 
     name = "lamps"
 
     def __init__(self, profile: Profile, interception: Optional[InterceptionPolicy] = None, *,
-                 starvation_threshold: int = 100, refresh_interval: int = 1, horizon: str = "job"):
+                 starvation_threshold: int = 100, refresh_interval: int = 1, horizon: str = "job",
+                 handling_at_call: bool = False):
         if horizon not in ("segment", "job"):
             raise ValueError(f"horizon must be 'segment' or 'job', got {horizon!r}")
+        if not isinstance(handling_at_call, bool):
+            raise ValueError(f"handling_at_call must be a boolean, got {handling_at_call!r}")
         self.horizon = horizon
+        self.apply_at_call = handling_at_call
+        self._last_state = RankState()
         if not isinstance(starvation_threshold, int) or starvation_threshold < 1:
             raise ValueError(f"starvation_threshold must be a positive integer, got {starvation_threshold!r}")
         if not isinstance(refresh_interval, int) or refresh_interval < 1:
@@ -162,15 +204,23 @@ class LAMPS(RankingPolicy):
                 InterceptedContext(c_call, expected_duration_s=t_call_s, tool=s.expected_tool, id=id(item)), batch)
         return s.predicted_handling
 
+    def _c_other(self, c_call: int, state: RankState) -> int:
+        """C_other of the prediction: the running requests' device KV (the
+        one meaning, module doc); a full cache only when it is unknown."""
+        if state.batch_context_tokens is not None:
+            return state.batch_context_tokens
+        return max(0, self.profile.kv_capacity_tokens - c_call)
+
     def _call_waste(self, item: Rankable, c_call: int, t_call_s: float, state: RankState,
                     handling: Optional[Handling] = None) -> float:
         """Iterations-worth of waste of the call at context ``c_call``."""
-        c_other = (state.batch_context_tokens if state.batch_context_tokens is not None
-                   else max(0, self.profile.kv_capacity_tokens - c_call))
-        batch = BatchState(context_tokens=c_other)
+        batch = BatchState(context_tokens=self._c_other(c_call, state))
         h = handling or self.predicted_handling(item, c_call, t_call_s, batch)
-        budgeted = self.interception.budgeted_swap if self.interception is not None else True
-        return best_case_waste(h, c_call, t_call_s, batch, self.profile, budgeted) / max(state.iteration_s, 1e-12)
+        ic = self.interception
+        budgeted = ic.budgeted_swap if ic is not None else True
+        chunked = ic.chunked_recompute if ic is not None else True
+        return best_case_waste(h, c_call, t_call_s, batch, self.profile, budgeted, chunked) / max(state.iteration_s,
+                                                                                                  1e-12)
 
     def score(self, item: Rankable, state: RankState) -> float:
         """Token-iterations of memory until the next call (or, with the job
@@ -199,10 +249,8 @@ class LAMPS(RankingPolicy):
                 # predicted like the current call's, without caching it as this segment's
                 h = None
                 if self.interception is not None and item.sched.handling is None:
-                    c_other = (state.batch_context_tokens if state.batch_context_tokens is not None
-                               else max(0, self.profile.kv_capacity_tokens - c))
                     h = self.interception.decide(InterceptedContext(c, expected_duration_s=call_s, id=id(item)),
-                                                 BatchState(context_tokens=c_other))
+                                                 BatchState(context_tokens=self._c_other(c, state)))
                 total += self._call_waste(item, c, call_s, state, h or item.sched.handling or Handling.PRESERVE)
         return total
 
@@ -213,8 +261,30 @@ class LAMPS(RankingPolicy):
         return s.score
 
     def order(self, items, state=RankState()):
+        self._last_state = state
         ranked = sorted(items, key=lambda it: (self.key(it, state), it.arrival))
         return [it for it in ranked if it.sched.starving] + [it for it in ranked if not it.sched.starving]
+
+    def handling_at_call(self, item: Rankable) -> Optional[Handling]:
+        """With ``handling_at_call``: the handling predicted for the segment
+        that just reached its call (Algorithm 1, line 5, applied at lines
+        35-42) -- fixed by a worked example, else the one predicted when the
+        segment was scored, else (a segment never scored, e.g. it never
+        waited) predicted now from the last ranking's state.  None when the
+        option is off or no call was predicted (no expected call time): the
+        interception policy decides afresh."""
+        if not self.apply_at_call:
+            return None
+        s = item.sched
+        if s.handling is not None:
+            return s.handling
+        if s.predicted_handling is None:
+            if s.expected_tool_s is None:
+                return None
+            c = s.context_len
+            self.predicted_handling(item, c, s.expected_tool_s,
+                                    BatchState(context_tokens=self._c_other(c, self._last_state)))
+        return s.predicted_handling
 
     def observe(self, scheduled, waiting):
         for it in scheduled:
@@ -244,8 +314,15 @@ RANKING_NAMES = ("lamps", "fcfs", "sjf", "sjf-total")
 
 def make_ranking(name: str, profile: Optional[Profile] = None,
                  interception: Optional[InterceptionPolicy] = None, *, starvation_threshold: int = 100,
-                 refresh_interval: int = 1, horizon: str = "job") -> RankingPolicy:
-    """Build a ranking by its configuration name (ValueError names the choices)."""
+                 refresh_interval: int = 1, horizon: str = "job",
+                 handling_at_call: bool = False) -> RankingPolicy:
+    """Build a ranking by its configuration name (ValueError names the choices).
+    ``horizon`` and ``handling_at_call`` are LAMPS' options (module doc);
+    the other rankings have neither."""
+    if horizon not in ("segment", "job"):
+        raise ValueError(f"horizon must be 'segment' or 'job', got {horizon!r}")
+    if not isinstance(handling_at_call, bool):
+        raise ValueError(f"handling_at_call must be a boolean, got {handling_at_call!r}")
     if name == "fcfs":
         return FCFS()
     if name == "sjf":
@@ -256,7 +333,7 @@ def make_ranking(name: str, profile: Optional[Profile] = None,
         if profile is None:
             raise ValueError("the lamps ranking needs a profile")
         return LAMPS(profile, interception, starvation_threshold=starvation_threshold,
-                     refresh_interval=refresh_interval, horizon=horizon)
+                     refresh_interval=refresh_interval, horizon=horizon, handling_at_call=handling_at_call)
     raise ValueError(f"unknown ranking {name!r}; choose one of {', '.join(RANKING_NAMES)}")
 
 

@@ -21,6 +21,8 @@ class PolicySpec:
     ranking: str = "lamps"
     starvation_threshold: int = 100
     refresh_interval: int = 1
+    horizon: str = "job"           # LAMPS: "segment" (the paper's) or "job" (adds the predicted later segments)
+    handling_at_call: bool = False  # LAMPS: the call gets the handling predicted for its segment (Alg. 1)
     profile: str = "auto"          # "auto", a built-in profile name or a profile file
     swap_space_tokens: int = 16384
     prefix_caching: bool = True
