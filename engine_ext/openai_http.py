@@ -64,6 +64,9 @@ What it cannot do
 -----------------
 * No ranking inside the server: vLLM schedules the requests in its own
   order (FCFS or its ``priority``); Interlace's RequestHint is not sent.
+  The hints of ``fill``, ``generate``, ``resume`` and ``set_request_hint``
+  are accepted (and validated: a bad one is refused as on every engine)
+  and otherwise ignored.
 * Pause is always discard with prefix reuse (the server keeps nothing for
   a paused context but the cached blocks nobody evicted); the interception
   policy is used for its tool-duration predictor only.
@@ -256,7 +259,9 @@ class OpenAIEngine(RequestEngine):
     async def _open(self, rid: str, prompt: List[int], sampling: SamplingParams, max_tokens: int,
                     extra: Dict[str, Any], grammar: Any) -> AsyncIterator[Chunk]:
         """One streaming completions request; ``extra`` (the job's arrival,
-        the RequestHint) has nowhere to go on an OpenAI server."""
+        the RequestHint -- a ``resume``'s and ``set_request_hint``'s too,
+        accepted and validated like every engine's) has nowhere to go on an
+        OpenAI server: the remote scheduler ranks by its own rules."""
         import httpx
 
         body = self._body(prompt, sampling, max_tokens, grammar)

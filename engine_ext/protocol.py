@@ -9,7 +9,12 @@ and shares the parent's KV blocks instead of recomputing them.
 ``pause`` / ``resume`` is the interception hook of InferCept: a context whose
 generation is waiting for a tool leaves the running batch but keeps its
 identity (and, by the interception policy's choice, its KV); ``resume``
-appends the tool's output and decoding continues on the same stream.
+appends the tool's output and decoding continues on the same stream.  The
+:class:`RequestHint` given to ``fill``, ``generate``, ``resume`` and
+``set_request_hint`` is what the ranking (LAMPS) knows of the segment that
+starts there: its expected output, the call that ends it and the later
+segments (the gateway learns them per application:
+:mod:`engine_ext.policies.hints`).
 
 The native engine, a vLLM-backed engine and the simulator implement this
 protocol; the gateway only ever talks to it.
@@ -18,8 +23,10 @@ protocol; the gateway only ever talks to it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import (Any, AsyncIterator, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple,
+                    runtime_checkable)
 
 from .errors import InvalidSampling
 
@@ -150,8 +157,13 @@ class RequestHint:
     scheduling preference (:mod:`engine_ext.policies.objectives`).
     ``tenant`` names whose request it is (the gateway passes the API key's
     name; None: the one anonymous caller): the engine's queue is served
-    fairly across tenants (:mod:`engine_ext.policies.fairness`).  Seeds
-    the request's ``SchedInfo``."""
+    fairly across tenants (:mod:`engine_ext.policies.fairness`).
+    ``future``: the segments predicted after this one, each ``(output
+    tokens, seconds of the call that ends it or None, tokens the previous
+    call's result adds)`` (LAMPS' job horizon; at most
+    :data:`MAX_FUTURE_SEGMENTS`).  Seeds the request's ``SchedInfo``; a
+    hint given to ``resume`` or ``set_request_hint`` replaces its ranking
+    fields (all but ``tenant``, which stays the request's)."""
 
     app: Optional[str] = None
     expected_output: Optional[int] = None
@@ -160,8 +172,14 @@ class RequestHint:
     objective: Optional[str] = None
     task_group: Optional[str] = None
     tenant: Optional[str] = None
+    future: Tuple[Tuple[int, Optional[float], int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.future, list):  # e.g. from JSON: kept as the (hashable) tuples the field says
+            object.__setattr__(self, "future", tuple(tuple(s) if isinstance(s, list) else s for s in self.future))
 
     def validate(self) -> None:
+        self._validate_future()
         eo, ts = self.expected_output, self.expected_tool_s
         if eo is not None and (not isinstance(eo, int) or isinstance(eo, bool) or eo < 0):
             raise InvalidSampling(f"hint.expected_output must be a non-negative integer or None, got {eo!r}")
@@ -174,6 +192,36 @@ class RequestHint:
             raise InvalidSampling(f"hint.task_group must be a string or None, got {self.task_group!r}")
         if self.tenant is not None and (not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= 128):
             raise InvalidSampling(f"hint.tenant must be a string of 1-128 characters or None, got {self.tenant!r}")
+
+    def _validate_future(self) -> None:
+        fut = self.future
+        if not isinstance(fut, (tuple, list)) or len(fut) > MAX_FUTURE_SEGMENTS:
+            raise InvalidSampling(f"hint.future must be a sequence of at most {MAX_FUTURE_SEGMENTS} segments, "
+                                  f"got {fut!r}"[:300])
+
+        def count(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+        for i, seg in enumerate(fut):
+            ok = isinstance(seg, (tuple, list)) and len(seg) == 3
+            if ok:
+                out, call_s, result = seg
+                ok = count(out) and count(result) and (call_s is None or (
+                    isinstance(call_s, (int, float)) and not isinstance(call_s, bool) and math.isfinite(call_s)
+                    and call_s >= 0))
+            if not ok:
+                raise InvalidSampling(f"hint.future[{i}] must be (output tokens >= 0, call seconds >= 0 or None, "
+                                      f"result tokens >= 0), got {seg!r}"[:300])
+
+    def ranking(self) -> Dict[str, Any]:
+        """The fields a ranking reads (every ``SchedInfo`` field a hint sets but ``tenant``)."""
+        return {"expected_output": self.expected_output, "expected_tool": self.expected_tool,
+                "expected_tool_s": self.expected_tool_s, "future": tuple(tuple(s) for s in self.future),
+                "objective": self.objective, "task_group": self.task_group}
+
+
+#: the most later segments a :class:`RequestHint` may carry (a job horizon, not a transcript)
+MAX_FUTURE_SEGMENTS = 64
 
 
 @runtime_checkable
@@ -196,8 +244,11 @@ class Engine(Protocol):
                    parent_context_id: Optional[ContextId] = None, hint: Optional[RequestHint] = None) -> int:
         """Create (or fork from ``parent_context_id``) or extend a context and
         compute KV for the new tokens.  Returns the context's length.  If the
-        caller is cancelled, the fill is undone (safe to retry).  ``hint``'s
-        objective and task group rank the fill's prefill chunks."""
+        caller is cancelled, the fill is undone (safe to retry).  ``hint``
+        seeds the context's ranking fields as ``generate``'s does (its
+        objective and task group rank the fill's prefill chunks; its
+        predictions are what the ranking sees until ``generate`` brings its
+        own)."""
         ...
 
     def generate(self, context_id: ContextId, sampling: SamplingParams,
@@ -216,9 +267,16 @@ class Engine(Protocol):
         """Take a generating context out of the running batch (interception)."""
         ...
 
-    async def resume(self, context_id: ContextId, token_ids: Sequence[int] = ()) -> None:
+    async def resume(self, context_id: ContextId, token_ids: Sequence[int] = (),
+                     hint: Optional[RequestHint] = None) -> None:
         """Append ``token_ids`` (a tool's result) to a paused context and let
-        its generation continue."""
+        its generation continue.  ``hint``: the caller's predictions for the
+        segment this resume starts -- ``expected_output`` tokens to the next
+        tool call (or the end), that call's ``expected_tool`` and
+        ``expected_tool_s``, and the ``future`` segments after it -- plus the
+        objective and task group; they replace the context's ranking fields
+        and its cached score (the tenant stays).  None: the ranking keeps
+        what it had (the first segment's prediction)."""
         ...
 
     def set_pause_hint(self, context_id: ContextId, hint: PauseHint) -> None:
@@ -229,9 +287,11 @@ class Engine(Protocol):
         ...
 
     def set_request_hint(self, context_id: ContextId, hint: RequestHint) -> None:
-        """Update a live context's objective and task group (what the ranking
-        reads), e.g. when a criterion is deduced after the call started.
-        Non-blocking; ignored if the context is gone."""
+        """Update every ranking field of a live context (expected output,
+        tool and its time, future segments, objective, task group; not the
+        tenant) and drop its cached score, e.g. when the model has named the
+        tool its call goes to, or a criterion is deduced after the call
+        started.  Non-blocking; ignored if the context is gone."""
         ...
 
     async def park(self, context_id: ContextId, hint: Optional[PauseHint] = None) -> None:

@@ -274,8 +274,10 @@ class ReplicaSet:
     async def pause(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
         await self._on_context(context_id, "pause", hint)
 
-    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
-        await self._on_context(context_id, "resume", list(token_ids))
+    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = (),
+                     hint: Optional[RequestHint] = None) -> None:
+        """On the replica holding the context, with the caller's ``hint``."""
+        await self._on_context(context_id, "resume", list(token_ids), hint)
 
     def set_pause_hint(self, context_id: Hashable, hint: PauseHint) -> None:
         if not isinstance(hint, PauseHint):

@@ -50,6 +50,12 @@ def _unavailable(msg: str) -> E.EngineError:
     return cls(msg)
 
 
+def _keep_tenant(hint: RequestHint, old: Optional[RequestHint]) -> RequestHint:
+    """``hint`` with the tenant the context's request already had (a resume or
+    a hint update replaces the ranking fields, not whose request it is)."""
+    return dataclasses.replace(hint, tenant=old.tenant) if old is not None else hint
+
+
 @dataclass(eq=False)
 class _Gen:
     """One ``generate`` stream: its sampling, text state and the vLLM request
@@ -235,8 +241,12 @@ class RequestEngine:
     async def pause(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
         await self._call(self._pause_cmd(context_id, hint))
 
-    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
-        await self._call(self._resume(context_id, list(token_ids)))
+    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = (),
+                     hint: Optional[RequestHint] = None) -> None:
+        """The backend request that continues the stream carries ``hint``
+        (the predictions for the segment it starts) instead of the first
+        segment's."""
+        await self._call(self._resume(context_id, list(token_ids), hint))
 
     def set_pause_hint(self, context_id: Hashable, hint: PauseHint) -> None:
         if not isinstance(hint, PauseHint):
@@ -249,8 +259,10 @@ class RequestEngine:
         self._post(apply)
 
     def set_request_hint(self, context_id: Hashable, hint: RequestHint) -> None:
-        """Kept for the context's next backend request: one already queued
-        keeps the hint it was submitted with."""
+        """Replaces every ranking field the context's backend requests carry
+        (not the tenant), from its next backend request on: one already
+        queued keeps the hint it was submitted with (vLLM takes no update
+        of a request's ``extra_args``)."""
         if not isinstance(hint, RequestHint):
             raise TypeError(f"hint must be a RequestHint, got {type(hint).__name__}")
         hint.validate()
@@ -258,7 +270,7 @@ class RequestEngine:
         def apply() -> None:
             ctx = self.contexts.get(context_id)
             if ctx is not None:
-                ctx.hint = hint
+                ctx.hint = _keep_tenant(hint, ctx.hint)
         self._post(apply)
 
     async def park(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
@@ -448,9 +460,8 @@ class RequestEngine:
         extra: Dict[str, Any] = {"arrival": ctx.arrival}
         h = ctx.hint or hint
         if h is not None:
-            extra.update(expected_output=h.expected_output, expected_tool=h.expected_tool,
-                         expected_tool_s=h.expected_tool_s, objective=h.objective, task_group=h.task_group,
-                         tenant=h.tenant)
+            extra.update(h.ranking(), tenant=h.tenant)
+            extra["future"] = [list(seg) for seg in h.future]  # JSON-able (vLLM's extra_args travel msgpack'd)
         return extra
 
     async def _prefill(self, ctx: _Context, hint: Optional[RequestHint]) -> None:
@@ -681,7 +692,11 @@ class RequestEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _resume(self, cid: Hashable, tokens: List[int]) -> None:
+    async def _resume(self, cid: Hashable, tokens: List[int], hint: Optional[RequestHint] = None) -> None:
+        if hint is not None:
+            if not isinstance(hint, RequestHint):
+                raise E.InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
+            hint.validate()
         ctx = self._get(cid)
         gen = ctx.gen
         if gen is None or not gen.paused:
@@ -689,6 +704,8 @@ class RequestEngine:
         self._check_tokens(tokens, allow_empty=True)
         self._check_len(len(ctx.token_ids) + len(tokens) + 1)
         self._observe_tool(ctx, gen)
+        if hint is not None:  # the next segment's request carries it (_extra reads ctx.hint first)
+            ctx.hint = gen.hint = _keep_tenant(hint, ctx.hint)
         ctx.token_ids += tokens
         gen.paused = False
         gen.detok.reset_context(ctx.token_ids)

@@ -350,11 +350,13 @@ class ProcessEngine:
     async def pause(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
         await self._call("pause", context_id, hint)
 
-    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
-        """As :meth:`NativeEngine.resume`; first the child's copies of the
-        stream's processors get the ``on_resume()`` calls made on the
-        caller's since the stream started or the previous resume."""
-        await self._call("resume", context_id, list(token_ids), self._resumes_to_pass(context_id))
+    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = (),
+                     hint: Optional[RequestHint] = None) -> None:
+        """As :meth:`NativeEngine.resume` (``hint`` goes over the channel
+        with the call, a plain picklable dataclass); first the child's
+        copies of the stream's processors get the ``on_resume()`` calls
+        made on the caller's since the stream started or the previous resume."""
+        await self._call("resume", context_id, list(token_ids), self._resumes_to_pass(context_id), hint)
 
     def _resumes_to_pass(self, context_id: Hashable) -> List[tuple]:
         """[(processor index, on_resume calls)] not passed on yet, for the context's latest stream."""
@@ -863,9 +865,11 @@ class _ChildServer:
                 self.send("stats", None, stats)
                 last = stats
 
-    async def resume(self, context_id: Any, tokens: List[int], hooks: Sequence[tuple] = ()) -> None:
-        """:meth:`NativeEngine.resume`, after the ``on_resume()`` calls the
-        caller made on its processors, on this stream's copies of them."""
+    async def resume(self, context_id: Any, tokens: List[int], hooks: Sequence[tuple] = (),
+                     hint: Optional[RequestHint] = None) -> None:
+        """:meth:`NativeEngine.resume` (with the caller's ``hint``), after the
+        ``on_resume()`` calls the caller made on its processors, on this
+        stream's copies of them."""
         streams = self.streams.get(context_id)
         if streams:
             procs = streams[-1]
@@ -873,7 +877,7 @@ class _ChildServer:
                 if i < len(procs):
                     for _ in range(n):
                         procs[i].on_resume()
-        await self.engine.resume(context_id, tokens)
+        await self.engine.resume(context_id, tokens, hint)
 
     async def generate(self, call_id: int, context_id: Any, sampling: SamplingParams, parent_id: Any,
                        hint: Optional[RequestHint], blobs: Sequence[bytes] = ()) -> None:

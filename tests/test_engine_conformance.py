@@ -34,7 +34,7 @@ import pytest_asyncio
 
 from interlace.engine_ext import errors as E
 from interlace.engine_ext.tokenizer import Tokenizer
-from interlace.engine_ext.protocol import Engine, SamplingParams, TokenEvent
+from interlace.engine_ext.protocol import Engine, RequestHint, SamplingParams, TokenEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -484,6 +484,26 @@ async def test_max_tokens_counts_the_tokens_of_the_whole_stream_across_a_pause(e
     before, after = await _run_with_pause(engine, a, sp(k + 3, pause_on=[s]), lambda: engine.resume(a, [11]))
     assert len(ids(before)) == k
     assert len(ids(after)) == 3 and after[-1].finish_reason == "length"
+
+
+async def test_resume_takes_the_next_segments_hint_and_refuses_a_bad_one(engine, ctx, prompts, tok, ref_plain):
+    """Issue 32: ``resume(hint=)`` on every engine.  A bad hint is refused
+    (``InvalidSampling`` naming the field) leaving the context paused; a good
+    one only informs the ranking: the stream goes on as without it."""
+    k, s = _pause_string(tok, ref_plain)
+    tool = [11, 12]
+    a = ctx.new("a")
+    await w(engine.fill(a, prompts["plain"]))
+
+    async def on_paused():
+        with pytest.raises(E.InvalidSampling, match=r"hint\.future\[0\]"):
+            await engine.resume(a, tool, hint=RequestHint(future=((1, None, -1),)))
+        await engine.resume(a, tool, hint=RequestHint(expected_output=3, expected_tool="calc", expected_tool_s=0.5,
+                                                      future=((4, None, 2),)))
+
+    before, after = await _run_with_pause(engine, a, sp(k + 4, pause_on=[s]), on_paused)
+    assert ids(before) == ref_plain[:k] and len(ids(after)) == 4
+    assert ids(after) == await greedy(engine, ctx, prompts["plain"] + ids(before) + tool, 4)
 
 
 async def test_explicit_pause_and_resume_continue_the_same_stream(engine, ctx, prompts):

@@ -20,13 +20,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import pytest
 import pytest_asyncio
 
 from interlace.engine_ext import errors as E
-from interlace.engine_ext.protocol import SamplingParams, TokenEvent
+from interlace.engine_ext.protocol import RequestHint, SamplingParams, TokenEvent
 
 from helpers.gateway_server import free_port
 
@@ -183,9 +183,10 @@ def text(evs: Sequence[TokenEvent]) -> str:
 
 
 async def run_with_pause(engine: Any, tokens: Sequence[int], sampling: SamplingParams,
-                         tool: Sequence[int]) -> tuple:
+                         tool: Sequence[int], hint: Optional[RequestHint] = None) -> tuple:
     """(events up to and including the first pause, events after it): the
-    first pause is resumed with ``tool``, a later one with nothing."""
+    first pause is resumed with ``tool`` (and ``hint``, after a bad hint is
+    refused), a later one with nothing."""
     c = cid("pause")
     await w(engine.fill(c, list(tokens)))
     before: List[TokenEvent] = []
@@ -200,7 +201,10 @@ async def run_with_pause(engine: Any, tokens: Sequence[int], sampling: SamplingP
                     await engine.resume(c, [])
                 else:
                     paused = True
-                    await engine.resume(c, list(tool))
+                    if hint is not None:  # accepted and validated like every engine's (issue 32)
+                        with pytest.raises(E.InvalidSampling, match=r"hint\.future"):
+                            await engine.resume(c, list(tool), hint=RequestHint(future=((1, -1.0, 0),)))
+                    await engine.resume(c, list(tool), hint=hint)
     try:
         await w(go())
     finally:
@@ -408,7 +412,8 @@ async def test_pause_on_and_resume_give_the_native_engines_tokens(engine, native
     ref = ids(ref_plain)
     k, s = pause_string(tok, ref)
     tool = tok.encode(" (tool: 42)")
-    r_before, r_after = await run_with_pause(engine, prompts["plain"], sp(12, pause_on=[s]), tool)
+    hint = RequestHint(expected_output=3, expected_tool="calc", expected_tool_s=0.5, future=((4, None, 2),))
+    r_before, r_after = await run_with_pause(engine, prompts["plain"], sp(12, pause_on=[s]), tool, hint)
     n_before, n_after = await run_with_pause(native, prompts["plain"], sp(12, pause_on=[s]), tool)
     assert r_before[-1].paused and text(r_before).endswith(s)
     assert ids(r_before) == ids(n_before) == ref[:k]  # nothing decoded past the pause string

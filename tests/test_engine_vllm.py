@@ -272,3 +272,86 @@ def test_generate_right_behind_a_pending_fill_decodes_after_its_tokens(sjf_engin
 
     out, ref = asyncio.run(go())
     assert out == ref and len(out) == 5
+
+
+def test_a_resumes_hint_reaches_the_ranking_in_vllms_scheduler(sjf_engine):
+    """Issue 32: a resumed stream is a new vLLM request carrying the hint given
+    to ``resume`` (the next segment's prediction), not its first segment's.
+    ``a`` and ``b`` pause; while a blocker holds the only slot, ``a`` resumes
+    first predicting a long segment, ``b`` after it a short one: SJF inside
+    vLLM's scheduler serves ``b`` first (their first hints said the opposite)."""
+    eng = sjf_engine
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def go():
+        prompt = eng.tokenizer.encode("Count: one two three")
+        streams = {}
+        for cid, first in (("a", 5), ("b", 300)):
+            await eng.fill(cid, prompt)
+            streams[cid] = eng.generate(cid, sp, hint=RequestHint(expected_output=first))
+            asked = False
+            async for ev in streams[cid]:
+                if ev.paused:
+                    break
+                if not asked:
+                    await eng.pause(cid)
+                    asked = True
+        await eng.fill("blocker", prompt)
+        blocker = eng.generate("blocker", SamplingParams(max_tokens=40, ignore_eos=True))
+        await blocker.__anext__()  # it holds the only slot now
+        order = []
+
+        async def drain(cid):
+            async for ev in streams[cid]:
+                if ev.finish_reason:
+                    order.append(cid)
+
+        tasks = [asyncio.create_task(drain(c)) for c in ("a", "b")]
+        await eng.resume("a", [], hint=RequestHint(expected_output=300))
+        await asyncio.sleep(0.3)  # distinct arrivals, both while the blocker runs
+        await eng.resume("b", [], hint=RequestHint(expected_output=5))
+        async for _ in blocker:
+            pass
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        for cid in ("a", "b", "blocker"):
+            await eng.free_context(cid)
+        return order
+
+    assert asyncio.run(go()) == ["b", "a"]
+
+
+def test_the_hints_every_ranking_field_reaches_the_schedulers_schedinfo():
+    """What the frontend puts in ``extra_args`` (``RequestEngine._extra``: a
+    resume's hint, ``future`` included) is what the scheduler's ranking reads,
+    after vLLM's own msgpack round trip between frontend and engine core."""
+    import msgspec
+    from vllm import SamplingParams as VSP
+    from vllm.v1.request import Request
+
+    from interlace.engine_ext.request_engine import RequestEngine, _Context
+    from interlace.engine_ext.vllm.scheduler import CONFIG_KEY, _Item, request_hint
+
+    ctx = _Context("c", [1, 2, 3])
+    ctx.hint = RequestHint(expected_output=7, expected_tool="calc", expected_tool_s=1.5,
+                           future=((4, 2.0, 3), (9, None, 1)), objective="latency", task_group="g", tenant="alice")
+    extra = msgspec.msgpack.decode(msgspec.msgpack.encode(RequestEngine._extra(ctx, None)))
+    req = Request("r", [1, 2, 3], VSP(max_tokens=4, extra_args={CONFIG_KEY: extra}), None, arrival_time=1.0)
+    s = _Item(req, request_hint(req)).sched
+    assert (s.expected_output, s.expected_tool, s.expected_tool_s, s.future, s.objective, s.task_group,
+            s.tenant) == (7, "calc", 1.5, ((4, 2.0, 3), (9, None, 1)), "latency", "g", "alice")
+
+
+def test_the_rankings_c_other_is_the_running_requests_computed_tokens():
+    """C_other as every engine computes it (the policies' docstrings): the KV
+    tokens of the requests running now; waiting ones hold none."""
+    import types
+
+    from vllm import SamplingParams as VSP
+    from vllm.v1.request import Request
+
+    from interlace.engine_ext.vllm.scheduler import _Ranked
+
+    running = [Request(f"r{i}", list(range(1, 30)), VSP(max_tokens=4), None, arrival_time=1.0) for i in range(2)]
+    running[0].num_computed_tokens, running[1].num_computed_tokens = 29, 12
+    state = _Ranked.rank_state(types.SimpleNamespace(running=running, _iteration=3))
+    assert (state.batch_context_tokens, state.iteration) == (41, 3)

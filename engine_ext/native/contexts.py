@@ -39,6 +39,19 @@ from .sequence import Context, FillOp, Generation, State
 from .swap import SWAPPED
 
 
+def apply_hint(ctx: Context, hint: RequestHint, tenant: bool = False) -> None:
+    """Put ``hint``'s ranking fields into the context's ``SchedInfo`` and drop
+    what the ranking cached from the old ones (its score, the handling it
+    predicted, the later segments' score).  ``tenant``: set the tenant too
+    (a new request: fill, generate); a resume or a hint update keeps it."""
+    s = ctx.sched
+    for k, v in hint.ranking().items():
+        setattr(s, k, v)
+    if tenant:
+        s.tenant = hint.tenant
+    s.score = s.predicted_handling = s.future_score = None
+
+
 class ContextCommands:
     """The commands on the engine's ``contexts`` (by id; shared with the engine, which reads them).
 
@@ -164,8 +177,7 @@ class ContextCommands:
             # count (computed_tokens); what the prefix cache gives from here on is this request's saving
             ctx.table.high = ctx.num_computed
         if hint is not None:
-            ctx.sched.objective, ctx.sched.task_group = hint.objective, hint.task_group
-            ctx.sched.tenant = hint.tenant
+            apply_hint(ctx, hint, tenant=True)
         op.fut, op.ctx, op.created, op.rollback = fut, ctx, created, len(ctx.token_ids)
         ctx.token_ids += tokens
         op.end = len(ctx.token_ids)
@@ -253,11 +265,9 @@ class ContextCommands:
             ctx = self._fork(cid, parent)
         self.interceptor.unpark(ctx)
         s = ctx.sched
-        s.segment_generated, s.score, s.predicted_handling = 0, None, None
+        s.segment_generated, s.score, s.predicted_handling, s.future_score = 0, None, None, None
         if hint is not None:
-            s.expected_output, s.expected_tool, s.expected_tool_s = (
-                hint.expected_output, hint.expected_tool, hint.expected_tool_s)
-            s.objective, s.task_group, s.tenant = hint.objective, hint.task_group, hint.tenant
+            apply_hint(ctx, hint, tenant=True)
         ctx.last_fill = None  # generated tokens build on the last fill: it stays
         rng = None
         if not sampling.greedy:
@@ -283,13 +293,18 @@ class ContextCommands:
         self.output.pause(ctx, hint)
         fut.set_result(None)
 
-    def resume(self, fut, cid, tokens: List[int]) -> None:
+    def resume(self, fut, cid, tokens: List[int], hint: Optional[RequestHint] = None) -> None:
+        """``hint``: the predictions for the segment the resume starts (they
+        replace the first segment's; :func:`apply_hint`)."""
+        self._check_hint(hint)
         ctx = self.get(cid)
         if ctx.state is not State.PAUSED:
             raise E.InvalidContextState(f"context {cid!r} is {ctx.state.value}, not paused")
         self._check_tokens(tokens, allow_empty=True)
         self._check_len(len(ctx.token_ids) + len(tokens) + 1)
         self.interceptor.end(ctx)
+        if hint is not None:
+            apply_hint(ctx, hint)
         ctx.token_ids += tokens
         if tokens:
             ctx.last_logits = None
@@ -361,4 +376,4 @@ class ContextCommands:
         fut.set_result(None)
 
 
-__all__ = ["ContextCommands"]
+__all__ = ["ContextCommands", "apply_hint"]

@@ -64,7 +64,7 @@ from . import memory
 from .attention import choose_backend
 from .block_manager import BlockManager
 from .block_sharing import VariantSet
-from .contexts import ContextCommands
+from .contexts import ContextCommands, apply_hint
 from .cores import ThreadGovernor
 from .interception import Interceptor
 from .loader import load_for_engine
@@ -240,7 +240,8 @@ class NativeEngine:
         context it created dropped), so the caller can retry it safely.  The
         one exception: another call has already built on it (extended,
         generated into the context), in which case it stays.  ``hint``: the
-        objective and task group its prefill is ranked by.  ``variant``: the
+        ranking fields it seeds (its objective and task group rank the
+        prefill).  ``variant``: the
         model variant a new context runs (default: the base model); a fork
         runs its parent's, and naming another is an error.  ``op``: a
         :class:`~.sequence.FillOp` to record the fill in, for a caller that
@@ -286,8 +287,11 @@ class NativeEngine:
     async def pause(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
         await self._call(self.commands.pause, context_id, hint)
 
-    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = ()) -> None:
-        await self._call(self.commands.resume, context_id, list(token_ids))
+    async def resume(self, context_id: Hashable, token_ids: Sequence[int] = (),
+                     hint: Optional[RequestHint] = None) -> None:
+        """``hint``: the predictions for the segment the resume starts
+        (:meth:`~engine_ext.protocol.Engine.resume`)."""
+        await self._call(self.commands.resume, context_id, list(token_ids), hint)
 
     def set_pause_hint(self, context_id: Hashable, hint: PauseHint) -> None:
         if not isinstance(hint, PauseHint):
@@ -295,9 +299,11 @@ class NativeEngine:
         self._post(lambda: self.commands.set_pause_hint(context_id, hint))
 
     def set_request_hint(self, context_id: Hashable, hint: RequestHint) -> None:
-        """Update the objective and task group the ranking sees for a live
-        context (Parrot: a criterion deduced after the call was dispatched).
-        Non-blocking; ignored if the context is gone."""
+        """Update every ranking field of a live context (its expected output,
+        tool and time, future segments, objective, task group; not the
+        tenant) and drop its cached score: e.g. the model has named the tool
+        its call goes to, or a criterion was deduced after the call was
+        dispatched (Parrot).  Non-blocking; ignored if the context is gone."""
         if not isinstance(hint, RequestHint):
             raise TypeError(f"hint must be a RequestHint, got {type(hint).__name__}")
         hint.validate()
@@ -305,7 +311,7 @@ class NativeEngine:
         def apply() -> None:
             ctx = self.contexts.get(context_id)
             if ctx is not None:
-                ctx.sched.objective, ctx.sched.task_group = hint.objective, hint.task_group
+                apply_hint(ctx, hint)
         self._post(apply)
 
     async def park(self, context_id: Hashable, hint: Optional[PauseHint] = None) -> None:
@@ -524,8 +530,9 @@ class NativeEngine:
         return sorted(idle, key=lambda c: c.last_used) + sorted(paused, key=lambda c: c.last_used)
 
     def _rank_state(self) -> RankState:
+        # C_other as the interception policy gets it (Scheduler.running_kv_tokens): the running contexts' device KV
         return RankState(iteration=self.stats["steps"], iteration_s=self.iteration_s or 1.0,
-                         batch_context_tokens=sum(len(c.token_ids) for c in self.scheduler.active))
+                         batch_context_tokens=self.scheduler.running_kv_tokens())
 
     # -------------------------------------------------------------------- step
     def _step(self) -> None:

@@ -46,7 +46,8 @@ Which vLLM mechanism implements each protocol call
   orders the waiting queue with the same policy objects as the native
   engine (``make_ranking`` inside ``ObjectiveRanking``), built in the
   engine-core process from ``additional_config["interlace"]``; the
-  :class:`RequestHint` travels in ``SamplingParams.extra_args``.
+  :class:`RequestHint` travels in ``SamplingParams.extra_args`` (a
+  ``resume``'s hint with the request that continues the stream).
 
 What it cannot do (and the native engine can)
 ---------------------------------------------

@@ -23,9 +23,13 @@ requests in ``running`` as each tenant's load.  What a ranking reads of
 a request (:class:`SchedInfo`) comes from the request itself (context
 length, tokens generated) and from the frontend's
 :class:`~engine_ext.protocol.RequestHint`, carried in
-``SamplingParams.extra_args["interlace"]``.  A request resumed after a tool
-call keeps the arrival time of its job (the frontend passes it), as
-InferCept's improved discard does.
+``SamplingParams.extra_args["interlace"]``: every ranking field, the later
+segments (``future``) included.  A request resumed after a tool call is a
+new vLLM request that carries the hint given to ``resume`` (the next
+segment's predictions) and keeps the arrival time of its job (the frontend
+passes it), as InferCept's improved discard does.  The ranking's C_other
+(``RankState.batch_context_tokens``) is the running requests' computed
+tokens (:meth:`_Ranked.rank_state`).
 
 What it does not do: it does not reorder ``running`` (vLLM preempts from
 its end) nor the queue of preempted requests that still hold KV blocks
@@ -60,8 +64,10 @@ class _Item:
         self.req = req
         self.arrival = float(hint.get("arrival") or req.arrival_time)
         self.sched = SchedInfo(expected_output=hint.get("expected_output"), expected_tool=hint.get("expected_tool"),
-                               expected_tool_s=hint.get("expected_tool_s"), objective=hint.get("objective"),
-                               task_group=hint.get("task_group"), tenant=hint.get("tenant"))
+                               expected_tool_s=hint.get("expected_tool_s"),
+                               future=tuple(tuple(seg) for seg in hint.get("future") or ()),
+                               objective=hint.get("objective"), task_group=hint.get("task_group"),
+                               tenant=hint.get("tenant"))
 
     def refresh(self) -> None:
         self.sched.context_len = self.req.num_tokens
@@ -111,12 +117,20 @@ class _Ranked:
             return [self._item(r) for r in self.waiting]
         items = [self._item(r) for r in self.waiting]
         running = Counter(request_hint(r).get("tenant") for r in self.running)
-        ordered = fair_order(self.ranking.order(items, RankState(iteration=self._iteration)), running)
+        ordered = fair_order(self.ranking.order(items, self.rank_state()), running)
         if [i.req for i in ordered] != list(self.waiting):
             self.reordered_steps += 1
             self.waiting.clear()
             self.waiting.extend(i.req for i in ordered)
         return ordered
+
+    def rank_state(self) -> RankState:
+        """The ranking's view of the engine: C_other (``batch_context_tokens``)
+        is the KV tokens of the requests running now (their computed tokens;
+        waiting and preempted ones hold none on the device), as in the
+        native engine and the simulator (the policies' docstrings)."""
+        return RankState(iteration=self._iteration,
+                         batch_context_tokens=sum(int(r.num_computed_tokens) for r in self.running))
 
     def schedule(self, *args: Any, **kwargs: Any):
         self._iteration += 1
