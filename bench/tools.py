@@ -310,9 +310,9 @@ class TimedEngine:
                     self.marks.append(("token", now, None))
                 yield ev
 
-    async def resume(self, context_id: Any, token_ids: Sequence[int] = ()) -> None:
+    async def resume(self, context_id: Any, token_ids: Sequence[int] = (), hint: Any = None) -> None:
         self.marks.append(("resume_call", time.time(), len(token_ids)))
-        await self._engine.resume(context_id, token_ids)
+        await self._engine.resume(context_id, token_ids, hint=hint)
         self.marks.append(("resume", time.time(), len(token_ids)))
 
 

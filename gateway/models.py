@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from ..engine_ext.native.options import LOAD_KEYS
 from ..engine_ext.native.setup import ZOO_PREFIX
-from ..engine_ext.policies import OutputLengths, ToolDurations
+from ..engine_ext.policies import OutputLengths, SegmentPredictor, ToolDurations
 from .config import ConfigError, GatewayConfig, ModelSpec, engine_dict
 from .retention import RetentionStore
 
@@ -55,6 +55,25 @@ class ModelServer:
     lengths: OutputLengths = field(default_factory=OutputLengths)
     #: finished chat contexts kept across client-side tool calls (None: retention is off)
     retention: Optional[RetentionStore] = None
+    #: the per-segment predictions the gateway hints the ranking with (LAMPS), learned per application
+    #: over ``lengths`` and ``durations`` (built from them unless given)
+    predictor: Optional[SegmentPredictor] = None
+
+    def __post_init__(self) -> None:
+        if self.predictor is None:
+            self.predictor = SegmentPredictor(self.lengths, self.durations)
+
+    @property
+    def engine_times_calls(self) -> bool:
+        """The engine itself learns each call's time (pause to resume) into
+        ``durations``: an in-process engine whose interception policy owns
+        that object.  Then the gateway must not observe the per-tool times
+        again (:meth:`SegmentPredictor.observe_call` with
+        ``tool_durations=False``); an engine in another process (a worker, a
+        remote server) or with a policy replaced since learns into its own
+        copy, and the gateway observes them here.  Read each time: a
+        ``set_policies`` may replace the policy."""
+        return self.durations is getattr(getattr(self.engine, "interception", None), "durations", None)
 
     @property
     def tokenizer(self) -> Tokenizer:

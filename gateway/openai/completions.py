@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -64,7 +65,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Tupl
 from ...engine_ext.errors import EngineError
 
 if TYPE_CHECKING:  # the seams' types (imports for annotations only)
-    from ...engine_ext.policies import ToolDurations
+    from ...engine_ext.policies import SegmentPrediction
     from ...engine_ext.protocol import ContextId, Engine
     from ...engine_ext.tokenizer import Tokenizer
     from ...parsers.formats import ToolFormat
@@ -413,13 +414,17 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
     parser = model.new_parser() if plan.parse_tools else None
     owner = plan.request_info.get("key")
     app = f"{model.name}:{owner or ''}"  # LAMPS' output-length predictor learns per model and caller
-    lengths, durations, store = model.lengths, model.durations, model.retention
+    store = model.retention
+    # LAMPS' inputs, per segment (to the next tool call or the end), learned per app: hints.py
+    predictor = model.predictor
+    segment = 0        # segments done (each server-tool round ends one)
+    paused_at = 0.0    # when the current round's pause came (the call's wall time runs to its resume)
     retained = False   # the retention store owns the context now
     held = 0           # prompt tokens a retained context already held (adopted: not prefilled again)
     engine_cached: Dict[str, int] = {}  # the engine's latest TokenEvent.cached_tokens, by mechanism
     segment_start, segment_tokens = prompt_tokens, 0  # the current segment (to the next tool call or the end)
     # the key's name is the tenant the engine's queue is fair across (its prefill and its decoding)
-    hint = RequestHint(app=app, expected_output=lengths.estimate(app, prompt_tokens), tenant=owner)
+    hint = _segment_hint(app, owner, predictor.predict(app, prompt_tokens, 0, may_call=_may_call(plan, 0)))
     try:
         adopted = store.claim(owner, plan.prompt_ids) if store is not None else None
         if adopted is not None:
@@ -454,7 +459,8 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                 for pe in events:
                     for out in turn.handle(pe):
                         if isinstance(out, CallStart) and out.server:
-                            _hint_pause(engine, ctx, out.name, durations)
+                            _hint_call(engine, ctx, model, app, owner, segment_start, segment, out.name,
+                                       plan.server_tools.get(out.name))
                         yield out
                 if turn.stop_now and ev.finish_reason is None:
                     finish_reason = "tool_calls"
@@ -463,13 +469,15 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                     turn.abort_round, aborting = False, True
                     try:
                         name = turn.round[-1].name
-                        await engine.pause(ctx, PauseHint(tool=name, expected_duration_s=durations.estimate(name)))
+                        await engine.pause(ctx, PauseHint(tool=name, expected_duration_s=_tool_seconds(
+                            model, name, plan.server_tools.get(name))))
                         continue  # the paused event follows on the stream
                     except EngineError:
                         pass  # it paused or finished by itself meanwhile
                 if ev.paused or ev.finish_reason is not None:
                     turn.start_deferred()
                 if ev.paused:
+                    paused_at = time.monotonic()
                     # an early abort pauses inside the call on purpose: the parser is still in it
                     spurious = not (aborting or turn.abort_round) and (turn.pending()
                                                                       or getattr(parser, "in_call", False))
@@ -502,14 +510,21 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                         finish_reason = "length"
                         break
                     prompt_tokens += len(appended)
-                    lengths.observe(app, segment_start, segment_tokens)  # a segment ended in tool calls
+                    predictor.observe_segment(app, segment_start, segment_tokens)  # a segment ended in tool calls
+                    # the call's time as the engine waits for it (pause to resume); per tool only where the
+                    # engine does not learn it itself into the same object (ModelServer.engine_times_calls)
+                    predictor.observe_call(app, server[-1].name, time.monotonic() - paused_at, len(appended),
+                                           tool_durations=not model.engine_times_calls)
+                    segment += 1
                     segment_start, segment_tokens = prompt_tokens + completion_tokens, 0
                     turn.new_round()
                     parser = model.new_parser()
                     for proc in sampling.logits_processors:  # e.g. forced replay moves to its next piece
                         if hasattr(proc, "on_resume"):
                             proc.on_resume()
-                    await engine.resume(ctx, appended)
+                    # the next segment's predictions replace this one's in the engine's ranking
+                    await engine.resume(ctx, appended, hint=_segment_hint(app, owner, predictor.predict(
+                        app, segment_start, segment, may_call=_may_call(plan, rounds))))
                     continue
                 if ev.finish_reason is not None:
                     finish_reason = ev.finish_reason
@@ -520,7 +535,10 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                         for call in server:  # calls that ended with the stream (no pause marker)
                             yield await _result(call, metrics)
         if finish_reason in ("stop", "tool_calls"):  # a segment that ended by itself, not cut by a limit
-            lengths.observe(app, segment_start, segment_tokens)
+            predictor.observe_segment(app, segment_start, segment_tokens)
+        if finish_reason == "stop":
+            # the job's segment count (client tool calls: unknown here -- the follow-up is another request)
+            predictor.observe_finish(app, segment + 1)
         if finish_reason == "tool_calls" and store is not None and turn.client_calls():
             # the client runs the tools and comes back with the whole conversation: keep the context
             entry = store.retain(owner, ctx, await engine.context_tokens(ctx), turn.client_calls()[0].name,
@@ -548,11 +566,42 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
             metrics.prefill_saved(model.name, engine_cached)
 
 
-def _hint_pause(engine: Engine, ctx: ContextId, tool: str, durations: ToolDurations) -> None:
-    """Tell the engine which tool the coming pause waits for and how long it
-    is expected to take (the engine pauses by itself at the call's end marker,
-    before the gateway could say so; it learns the actual time itself)."""
-    engine.set_pause_hint(ctx, PauseHint(tool=tool, expected_duration_s=durations.estimate(tool)))
+def _may_call(plan: CompletionPlan, rounds: int) -> bool:
+    """Whether the request's current segment may end in a tool call: it
+    offers tools the model's calls are parsed for, and they are client
+    tools or server tools with rounds left (``max_tool_rounds``)."""
+    if not plan.parse_tools:
+        return False
+    client = any(n not in plan.server_tools for n in plan.offered_tools)
+    return client or (bool(plan.server_tools) and rounds < plan.max_tool_rounds)
+
+
+def _segment_hint(app: str, owner: Optional[str], pred: SegmentPrediction) -> RequestHint:
+    """The engine's hint for a segment: the predictor's figures, the caller as tenant."""
+    return RequestHint(app=app, expected_output=pred.expected_output, expected_tool=pred.expected_tool,
+                       expected_tool_s=pred.expected_tool_s, future=pred.future, tenant=owner)
+
+
+def _tool_seconds(model: ModelServer, name: str, tool: Optional[Tool]) -> Optional[float]:
+    """A call's expected time: the tool's learned time, else what the tool
+    declares (``Tool.expected_s``), else None."""
+    learned = model.durations.estimate(name)
+    return learned if learned is not None else getattr(tool, "expected_s", None)
+
+
+def _hint_call(engine: Engine, ctx: ContextId, model: ModelServer, app: str, owner: Optional[str],
+               segment_start: int, segment: int, name: str, tool: Optional[Tool]) -> None:
+    """The model has named a server tool: tell the engine which tool the
+    coming pause waits for and how long it is expected to take (the engine
+    pauses by itself at the call's end marker, before the gateway could say
+    so; it learns the actual time itself), and give the ranking the
+    segment's prediction with this call in it (LAMPS' call term)."""
+    seconds = _tool_seconds(model, name, tool)
+    engine.set_pause_hint(ctx, PauseHint(tool=name, expected_duration_s=seconds))
+    pred = model.predictor.predict(app, segment_start, segment, tool=name)
+    if seconds is not None:
+        pred = dataclasses.replace(pred, expected_tool_s=seconds)
+    engine.set_request_hint(ctx, _segment_hint(app, owner, pred))
 
 
 def fit_results(tokenizer: Tokenizer, fmt: ToolFormat, texts: List[str],

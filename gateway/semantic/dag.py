@@ -28,6 +28,8 @@ from .transforms import Transform
 PLACEHOLDER = re.compile(r"\{\{\s*(input|output)\s*:\s*([A-Za-z_][A-Za-z0-9_]{0,63})\s*\}\}")
 #: A variable's name.
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+#: The application semantic calls' output lengths are learned under (per model: ModelServer.predictor).
+SEMANTIC_APP = "semantic"
 
 
 def new_id(prefix: str) -> str:
@@ -110,13 +112,19 @@ class Call:
     task: Optional["asyncio.Task[None]"] = None
     nbytes: int = 0
     wanted: Any = None  # prefix keys it announced demand for and has not acquired yet
+    # what the ranking is told of the output being generated and of the calls still to come
+    # downstream (graph.py ``_predict``): (expected output tokens, later segments)
+    predicted: Tuple[Optional[int], Tuple[Tuple[int, Optional[float], int], ...]] = (None, ())
 
     def input_vars(self) -> List[Variable]:
         return [v for v in self.inputs.values() if isinstance(v, Variable)]
 
     def hint(self) -> RequestHint:
-        return RequestHint(app="semantic", objective=self.objective, task_group=self.task_group,
-                           tenant=self.tenant)
+        """Every ranking field the engine keeps for the call: a hint update
+        (a criterion deduced later) replaces them all, so it carries the
+        predictions too."""
+        return RequestHint(app=SEMANTIC_APP, expected_output=self.predicted[0], future=self.predicted[1],
+                           objective=self.objective, task_group=self.task_group, tenant=self.tenant)
 
     def describe(self) -> Dict[str, Any]:
         return {"id": self.id, "kind": self.kind, "state": self.state, "error": self.error,

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from ...engine_ext.errors import EngineError
 from ..errors import DependencyFailed, GatewayError, InvalidInput, NotFound, TooLarge, LimitReached, Conflict, engine_error
-from .dag import NAME, PLACEHOLDER, Call, Output, Variable, new_id
+from ...engine_ext.protocol import MAX_FUTURE_SEGMENTS
+from .dag import NAME, PLACEHOLDER, SEMANTIC_APP, Call, Output, Variable, new_id
 from .objectives import CallNode, deduce
 from .prefix_share import Piece, PrefixStore, Shared, boundary_keys
 from ..prompt import prompt_bytes_bound
@@ -107,6 +108,7 @@ class SessionGraph:
         self.closed = False
         self._ready: List[Call] = []
         self._dispatch_scheduled = False
+        self._template_sizes: Dict[str, int] = {}  # call id -> its template's own tokens (_template_tokens)
 
     # ----------------------------------------------------------- variables
     def variable(self, vid: Any, param: str = "variable") -> Variable:
@@ -304,7 +306,10 @@ class SessionGraph:
             shared = await store.acquire(pieces, keys, call.hint())
             start = shared.next_piece if shared is not None else 0
             rest = [t for p in pieces[start:] for t in p.tokens]
-            self.usage.prompt_tokens += sum(len(p.tokens) for p in pieces)
+            length = sum(len(p.tokens) for p in pieces)  # the context's tokens (what the next output follows)
+            self.usage.prompt_tokens += length
+            first_out = next(name for k, name in call.items if k == "output")
+            self._predict(call, model, call.outputs[first_out], length)
             await engine.fill(ctx, rest, parent_context_id=shared.entry.context_id if shared else None,
                               hint=call.hint())
             made = True
@@ -322,7 +327,10 @@ class SessionGraph:
             while i < len(call.items):
                 kind, name = call.items[i]
                 if kind == "output":
-                    await self._generate(call, engine, ctx, call.outputs[name])
+                    self._predict(call, model, call.outputs[name], length)
+                    generated = await self._generate(call, engine, ctx, call.outputs[name])
+                    model.predictor.observe_segment(SEMANTIC_APP, length, generated)
+                    length += generated
                     i += 1
                     continue
                 j = i
@@ -333,6 +341,7 @@ class SessionGraph:
                 if tail and j < len(call.items):  # text after the last output is not needed
                     self.usage.prompt_tokens += len(tail)
                     self.usage.filled_tokens += len(tail)
+                    length += len(tail)
                     await engine.fill(ctx, tail, hint=call.hint())
                 i = j
         finally:
@@ -341,13 +350,70 @@ class SessionGraph:
             if shared is not None:
                 store.release(shared)
 
-    async def _generate(self, call: Call, engine: Engine, ctx: ContextId, out: Output) -> None:
+    def _predict(self, call: Call, model: ModelServer, out: Output, context_tokens: int) -> None:
+        """Set what the ranking is told of ``call`` (LAMPS, issue 32): the
+        tokens the output ``out`` is expected to produce (learned per model
+        for the app ``"semantic"``, at most its ``max_tokens``; before
+        anything is learned, its ``max_tokens``) and, as the later segments,
+        the LLM calls still to come downstream of it in the session, known
+        from the DAG rather than predicted (:meth:`_downstream`)."""
+        call.predicted = (self._expected_output(model, out, context_tokens), self._downstream(call, model))
+
+    @staticmethod
+    def _expected_output(model: ModelServer, out: Output, context_tokens: int) -> Optional[int]:
+        cap = out.sampling.max_tokens if out.sampling is not None else None
+        learned = model.lengths.estimate(SEMANTIC_APP, context_tokens)
+        if learned is None:
+            return cap
+        return learned if cap is None else min(learned, cap)
+
+    def _downstream(self, call: Call, model: ModelServer) -> Tuple[Tuple[int, Optional[float], int], ...]:
+        """The pending LLM calls that read ``call``'s outputs, directly or
+        through other calls, breadth first: each ``(its expected output,
+        None, its template's own tokens)``.  Kept simple on purpose: they run
+        in other contexts, not as this one's continuation, so the "result"
+        is the new prompt text the session brings (its inputs' values are
+        left out: not known yet), no call time is charged between them (a
+        tool node between LLM calls holds no KV), and parallel branches are
+        put in a row.  What it says: a call whose session has much left is
+        part of a longer job (LAMPS' ``job`` horizon)."""
+        seen, queue, later = {call.id}, [call], []
+        while queue and len(later) < MAX_FUTURE_SEGMENTS:
+            for o in queue.pop(0).outputs.values():
+                for d in o.var.consumers:
+                    if d.id in seen or d.state != "pending":
+                        continue
+                    seen.add(d.id)
+                    queue.append(d)
+                    if d.kind == "llm" and len(later) < MAX_FUTURE_SEGMENTS:
+                        later.append(d)
+        segs = []
+        for d in later:
+            dm = self.services.models.get(d.model, model)
+            outs = [self._expected_output(dm, o, 0) for o in d.outputs.values()]
+            segs.append((sum(n or 0 for n in outs), None, self._template_tokens(d, dm)))
+        return tuple(segs)
+
+    def _template_tokens(self, call: Call, model: ModelServer) -> int:
+        """Tokens of a call's own prompt text (its template without the inputs' values), counted once."""
+        n = self._template_sizes.get(call.id)
+        if n is None:
+            texts = [v for k, v in call.items if k == "text"]
+            for _, items in call.messages or ():
+                texts += [v for k, v in items if k == "text"]
+            n = self._template_sizes[call.id] = len(model.tokenizer.encode("".join(texts), parse_special=False))
+        return n
+
+    async def _generate(self, call: Call, engine: Engine, ctx: ContextId, out: Output) -> int:
+        """Decode ``out``; returns the tokens generated."""
         text: List[str] = []
         cached: Dict[str, int] = {}
+        n = 0
         async for ev in engine.generate(ctx, out.sampling, hint=call.hint()):
             if ev.cached_tokens is not None:
                 cached = ev.cached_tokens  # the fills' since the last output (the engine counts, then resets)
             if ev.token_id is not None:
+                n += 1
                 self.usage.completion_tokens += 1
             if ev.text:
                 text.append(ev.text)
@@ -363,6 +429,7 @@ class SessionGraph:
         value = await asyncio.to_thread(out.transform.apply, raw) if out.transform is not None else raw
         self._charge(len(value.encode()))
         self._resolve(out.var, value)
+        return n
 
     async def _run_tool(self, call: Call) -> None:
         def render(node: Any) -> Any:

@@ -187,6 +187,10 @@ class Tool:
     validate_early: bool = True
     #: Wall-clock seconds ``finish()`` waits for the result before killing the worker.
     timeout_s: float = 30.0
+    #: Seconds a call is expected to take, where the tool knows (a web API's usual latency):
+    #: the prior the scheduler's ranking and the interception policy use until the gateway
+    #: has timed calls of the tool (then the learned time wins).  None: learned only.
+    expected_s: float | None = None
     #: For ``ON_LINE`` tools: the argument the streamed lines belong to (``"code"``).
     line_field: str | None = None
     #: Worker processes kept warm for this tool (calls beyond this queue).
@@ -292,6 +296,9 @@ class Tool:
             raise ToolConfigError(f"tool {self.name!r}: timeout_s, workers, memory_mb and cpu_s must be positive")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(self.env).items()):
             raise ToolConfigError(f"tool {self.name!r}: env must map strings to strings")
+        e = self.expected_s
+        if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 <= e < float("inf")):
+            raise ToolConfigError(f"tool {self.name!r}: expected_s must be a finite number of seconds >= 0 or None")
         if not isinstance(self.settings_schema, dict) or self.settings_schema.get("type", "object") != "object":
             raise ToolConfigError(f"tool {self.name!r}: settings_schema must describe an object")
         from jsonschema import validators
