@@ -30,8 +30,10 @@ def lamps_example():
 def test_lamps_figure_3_exactly(ranking, finish, total):
     prof = unit_profile(kv_capacity_tokens=6)
     pol = Fixed(by_id={"R1": Handling.PRESERVE, "R2": Handling.DISCARD, "R3": Handling.SWAP})
+    # the worked example knows every length and call time (the oracle, the simulator's upper bound), and
+    # LAMPS charges R2's discard with the paper's setup estimate of the batch around it (a full cache)
     res = simulate(lamps_example(), prof, pol, make_ranking(ranking, prof, pol), max_batch_requests=1,
-                   admission="peak")
+                   admission="peak", oracle=True, rank_c_other="full-cache")
     got = {r.id: r.finish for r in res.records}
     assert got == finish
     assert sum(got.values()) == total
@@ -133,14 +135,14 @@ def test_starvation_prevention_fires_at_threshold():
     reqs += [TraceRequest(f"s{i}", [Segment(1, 2)], float(i), "y") for i in range(60)]
     pol = make_interception("preserve", prof)
     rk = make_ranking("lamps", prof, pol, starvation_threshold=7)
-    res = simulate(Trace(reqs), prof, pol, rk, max_batch_requests=1)
+    res = simulate(Trace(reqs), prof, pol, rk, max_batch_requests=1, oracle=True)
     events = [e for e in res.starvation_events if e[1] == "long"]
     assert events and events[0][2] == 7
     fin = {r.id: r.finish for r in res.records}
     assert fin["long"] < max(fin.values())  # prioritized before the stream ended
     # without the threshold firing in time it waits for the whole stream
     rk2 = make_ranking("lamps", prof, pol, starvation_threshold=10_000)
-    res2 = simulate(Trace(reqs), prof, make_interception("preserve", prof), rk2, max_batch_requests=1)
+    res2 = simulate(Trace(reqs), prof, make_interception("preserve", prof), rk2, max_batch_requests=1, oracle=True)
     fin2 = {r.id: r.finish for r in res2.records}
     assert not res2.starvation_events and fin2["long"] == max(fin2.values())
 
@@ -150,7 +152,8 @@ def test_rank_preemption_lets_a_better_ranked_request_in():
     tr = Trace([TraceRequest("long", [Segment(0, 6)], 0.0), TraceRequest("short", [Segment(3, 1)], 3.0)])
     fin = {}
     for flag in (False, True):
-        res = simulate(tr, prof, make_interception("preserve", prof), make_ranking("sjf"), rank_preempt=flag)
+        res = simulate(tr, prof, make_interception("preserve", prof), make_ranking("sjf"), rank_preempt=flag,
+                       oracle=True)
         fin[flag] = {r.id: r.finish for r in res.records}
         assert res.stats["leaked_blocks"] == 0 and [r.output_tokens for r in res.records] == [6, 1]
         assert res.stats["rank_preemptions"] == (1 if flag else 0)
@@ -187,6 +190,12 @@ def test_cli(tmp_path, capsys):
                      "--ranking", "fcfs", "--no-prefix-caching"]) == 0
     m = json.loads(capsys.readouterr().out)
     assert m["completed"] == 12 and m["policy"] == "vllm" and m["norm_latency_p50"] > 0
+    # online predictions unless --oracle (the upper bound); LAMPS' two options
+    assert sim_main(["--trace", "qa", "--num-requests", "12", "--rate", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["oracle"] is False
+    assert sim_main(["--trace", "qa", "--num-requests", "12", "--rate", "4", "--json", "--oracle", "--horizon",
+                     "segment", "--handling-at-call"]) == 0
+    assert json.loads(capsys.readouterr().out)["oracle"] is True
     path = tmp_path / "t.json"
     save_trace(small_trace(n=5), path)
     assert sim_main(["--trace", str(path), "--profile", "h100-llama-3-8b"]) == 0
@@ -208,15 +217,17 @@ def test_cli(tmp_path, capsys):
 
 def test_infercept_beats_vllm_on_h100_mixed_trace():
     """The headline direction (the full rate sweep is a benchmark, not a
-    test): at a high rate on the derived H100 GPT-J profile, InferCept's
-    min-waste handling has a lower median normalized latency than vLLM's
-    discard with FCFS and no prefix caching, and wastes less memory."""
+    test): on the derived H100 GPT-J profile, at a load where KV memory
+    binds (600 requests at 16/s), InferCept's min-waste handling has a far
+    lower median normalized latency than today's vLLM -- discard, FCFS,
+    *with* prefix caching, like InferCept here -- and wastes far less
+    memory, with online predictions (the product's condition).  Plain
+    discard in InferCept's place fails both bounds (measured: p50 ratio
+    0.40 and waste ratio 0.40, against 0.25 and 0.05 for min-waste)."""
     prof = Profile.load("h100-gpt-j-6b")
-    tr = with_poisson_arrivals(generate_infercept("mixed", 120, seed=0), 6.0, seed=0)
-    vllm = make_interception("vllm", prof)
-    base = simulate(tr, prof, vllm, make_ranking("fcfs"), prefix_caching=False).metrics
-    ic = make_interception("infercept", prof)
-    ours = simulate(tr, prof, ic, make_ranking("fcfs"), prefix_caching=True).metrics
-    assert ours["completed"] == base["completed"] == 120
-    assert ours["norm_latency_p50"] < 0.8 * base["norm_latency_p50"]
-    assert ours["kv_waste_gb_s"] < base["kv_waste_gb_s"]
+    tr = with_poisson_arrivals(generate_infercept("mixed", 600, seed=0), 16.0, seed=0)
+    base = simulate(tr, prof, make_interception("vllm", prof), make_ranking("fcfs"), prefix_caching=True).metrics
+    ours = simulate(tr, prof, make_interception("infercept", prof), make_ranking("fcfs"), prefix_caching=True).metrics
+    assert ours["completed"] == base["completed"] == 600
+    assert ours["norm_latency_p50"] < 0.35 * base["norm_latency_p50"]
+    assert ours["kv_waste_gb_s"] < 0.2 * base["kv_waste_gb_s"]

@@ -3,7 +3,11 @@
 ``--trace`` is a trace file (InferCept's JSON format, see ``traces``) or a
 generator name (``mixed``, ``toolbench``, ``qa``, ...) with
 ``--num-requests`` and ``--seed``; ``--rate`` gives Poisson arrivals
-(seeded by ``--seed``).  Bad input exits 2 with one line on stderr.
+(seeded by ``--seed``).  Lengths, calls and later segments are predicted
+online as the served product does; ``--oracle`` reads them from the trace
+(the upper bound, never the product's condition).  ``--horizon`` and
+``--handling-at-call`` are LAMPS' options.  Bad input exits 2 with one line
+on stderr.
 ``interlace sim blocks ...`` is the cluster simulator (``block_cli``).
 """
 
@@ -47,8 +51,14 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--admission", choices=("greedy", "peak"), default="greedy")
     p.add_argument("--rank-preempt", action="store_true",
                    help="the best-ranked waiting request may preempt lower-ranked running ones (LAMPS Alg. 1)")
-    p.add_argument("--no-oracle", action="store_true",
-                   help="predict lengths and call times online instead of reading them from the trace")
+    p.add_argument("--oracle", action="store_true",
+                   help="read lengths, call times and later segments from the trace (the upper bound) instead of "
+                        "predicting them online as the product does")
+    p.add_argument("--horizon", choices=("segment", "job"), default="job",
+                   help="LAMPS scores up to the next call (segment, the paper's) or adds the later ones (job)")
+    p.add_argument("--handling-at-call", action="store_true",
+                   help="LAMPS: a call gets the handling predicted for its segment (Algorithm 1) instead of the "
+                        "interception policy deciding afresh")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -75,17 +85,19 @@ def run_sim(args: argparse.Namespace) -> int:
             trace = with_poisson_arrivals(trace, args.rate, args.seed)
         interception = make_interception(args.policy, profile)
         ranking = make_ranking(args.ranking, profile, interception, starvation_threshold=args.starvation_threshold,
-                               refresh_interval=args.refresh_interval)
+                               refresh_interval=args.refresh_interval, horizon=args.horizon,
+                               handling_at_call=args.handling_at_call)
         res = simulate(trace, profile, interception, ranking, prefix_caching=not args.no_prefix_caching,
                        max_batch_requests=args.max_batch_requests, admission=args.admission,
-                       oracle=not args.no_oracle, rank_preempt=args.rank_preempt)
+                       oracle=args.oracle, rank_preempt=args.rank_preempt)
     except (TraceError, ProfileError, ValueError, SimulationError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    m = dict(res.metrics, rate=args.rate, trace=args.trace)
+    m = dict(res.metrics, rate=args.rate, trace=args.trace, oracle=args.oracle)
     if args.json:
         print(json.dumps(m))
         return 0
-    print(f"sim: {m['policy']} + {m['ranking']} on {m['profile']} ({m['profile_source']})")
+    print(f"sim: {m['policy']} + {m['ranking']} on {m['profile']} ({m['profile_source']}); "
+          + ("oracle predictions (upper bound)" if args.oracle else "online predictions"))
     for k in TABLE_KEYS:
         v = m.get(k)
         print(f"  {k:<20} {v:.4g}" if isinstance(v, float) else f"  {k:<20} {v}")

@@ -7,9 +7,11 @@ One loop turn is one engine iteration at a boundary ``now``:
 1. arrivals and call returns up to ``now`` join (a resumed request with
    ``keeps_arrival = False`` ranks with arrival = resume time, as vLLM did);
 2. swaps: a budgeted swap moves at most ``profile.swap_limit_tokens(last
-   iteration's time)`` tokens (whole blocks; at least one) this iteration, swap-outs
-   first, then swap-ins in rank-arrival order; moved blocks are freed /
-   usable in this same iteration (InferCept pipelines the copy layer by layer
+   iteration's time)`` tokens (whole blocks; at least one) this iteration,
+   the one rule of every engine: swap-outs first (they free device memory),
+   then swap-ins in *original* arrival order (``arrival0``, InferCept 4.3's
+   FCFS swap queue; not the re-queued arrival of a policy that resets it);
+   moved blocks are freed / usable in this same iteration (InferCept pipelines the copy layer by layer
    behind the forward pass); the rest waits and holds its device memory.
    ``swap-sync`` moves everything at once and stalls the iteration by
    ``profile.t_swap(moved tokens)``.  A context the host pool can't take is
@@ -30,22 +32,37 @@ One loop turn is one engine iteration at a boundary ``now``:
    With ``rank_preempt=True`` (LAMPS' Algorithm 1 rebuilds the running
    batch from the ranked queue each iteration) the best-ranked waiting
    request that does not fit first preempts running requests ranked below
-   it, lowest first, when they hold enough memory.  Rankings see
-   ``RankState(batch_context_tokens=None)``: LAMPS' own estimate of the
-   batch around a request (a full cache), not the instantaneous batch,
-   which is empty whenever the engine is and would make every discard
-   look free.
-   Recomputation goes in chunks of ``profile.recompute_chunk(decodes)``
-   tokens in total per iteration when the policy says ``chunked_recompute``,
-   else a context's whole recomputation in one iteration;
+   it, lowest first, when they hold enough memory.  Rankings see C_other
+   with its one meaning (``engine_ext.policies.ranking``):
+   ``RankState.batch_context_tokens`` = the device KV tokens of the
+   RUNNING requests (not paused, not swapping), as the native engine and
+   the vLLM scheduler pass it.  ``rank_c_other="full-cache"`` passes None
+   instead (LAMPS then assumes a full cache around the request, the
+   paper's "estimation of the context size for batched requests according
+   to the setup"): only the worked example of LAMPS' Figure 3 needs it --
+   there nothing else runs when the requests are ranked, so under the
+   engines' meaning R2's discard costs nothing and LAMPS orders as SJF.
+   The iteration's waiting work -- new prompt and tool-result tokens and
+   recomputation alike -- gets ``profile.prefill_budget(decodes,
+   chunked_recompute)`` tokens beside the decodes: with
+   ``chunked_recompute`` up to the saturation point S (InferCept 4.3 fills
+   the iteration "until the GPU saturation point is reached"), else the
+   token budget, where a context's whole recomputation goes in one
+   iteration;
 4. the iteration takes ``profile.t_fwd(batched tokens, attended context
    tokens)`` (+ a sync swap's stall); an idle engine jumps to the next event;
 5. requests that finish their segment are intercepted: the ranking's
-   ``on_interception`` is called, then ``interception.plan`` for them *and*
-   for every still-preserved context (its dynamic estimate grows; a
-   preserved context may later be discarded or swapped), with the batch
-   around them (``BatchState``); ``ranking.observe`` gets what ran and what
-   waited.
+   ``handling_at_call`` is asked first (LAMPS with ``handling_at_call=True``
+   returns the handling it predicted for the segment, Algorithm 1 lines
+   35-42: applied as is -- a swap still subject to the host pool -- and,
+   like the paper's preserve/discard/swap queues, never reconsidered while
+   the call runs; only memory pressure may still drop a preserved context's
+   KV), then its ``on_interception``, then ``interception.plan`` for the
+   others *and* for every still-preserved context the policy decided (its
+   dynamic estimate grows; a preserved context may later be discarded or
+   swapped), with the batch around them (``BatchState``, C_other = the
+   RUNNING requests' device KV, the intercepted ones no longer among
+   them); ``ranking.observe`` gets what ran and what waited.
 
 Token model: a request's KV covers every token of its sequence.  A decode
 computes one token and adds it (+1 token of memory).  A prefill of new
@@ -58,15 +75,21 @@ caching, the full blocks of a discarded or preempted context stay cached
 cached prefix still present; finished requests' blocks are not kept (no
 later request shares them in these traces).
 
-Predictions (``oracle=True``): SchedInfo gets the trace's true segment
-length as ``expected_output`` and the true call time as ``expected_tool_s``
-(and the interception policy the true call time as the hint); with
-``oracle=False`` the lengths come from an :class:`OutputLengths` learned
-online per application and prompt-length bucket, call times from the
-policy's ``durations`` (a ToolDurations learned online, None until a tool
-was seen; the interception policy then uses InferCept's dynamic estimate).
-Whether a call follows a segment is always taken from the trace.  Every
-finished call is observed by ``interception.durations``.
+Predictions.  By default (``oracle=False``, the served product's
+condition) each segment's SchedInfo fields come from a
+:class:`SegmentPredictor` learned online per application (the trace's
+``app``, which is also the tool's name), fed exactly as the gateway feeds
+it: ``observe_segment`` when a segment ends, ``observe_call`` at the resume
+(the call's time and the tokens it adds: its result plus the next turn's
+prompt; the predictor's ``durations`` *is* the interception policy's, so a
+tool's time is observed once), ``observe_finish`` when a request finishes.
+Whether a call follows, its time and (with LAMPS' ``horizon="job"``) the
+later segments are predictions too, unknown (None / ``()``) until requests
+of the app have finished; the interception policy gets the predicted call
+time as the hint (None: InferCept's dynamic estimate).  ``oracle=True``
+reads the trace instead -- true segment lengths, call times and later
+segments, the true call time as the hint -- the *upper bound* of what
+predictions can give, never the product's condition.
 
 KV memory waste (GB*s = token-seconds * kv_bytes_per_token / 1e9), as
 InferCept counts it: (a) device KV held by intercepted contexts while their
@@ -103,6 +126,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..policies.costmodel import Profile
+from ..policies.hints import SegmentPredictor
 from ..policies.interception import (BatchState, Discard, Fixed, Handling, InterceptedContext, InterceptionPolicy,
                                      Preserve, Swap)
 from ..policies.predictors import OutputLengths
@@ -123,7 +147,7 @@ class SimRequest:
 
     __slots__ = ("id", "trace", "arrival", "arrival0", "sched", "tool", "seg", "seg_gen", "seq", "kv", "fresh",
                  "hb", "out_left", "state", "handling", "call_start", "call_end", "tool_s", "out_tokens",
-                 "first_token", "finish", "mark", "waited", "seg_prompt", "resv")
+                 "first_token", "finish", "mark", "waited", "seg_prompt", "resv", "pinned")
 
     def __init__(self, tr: TraceRequest):
         self.id, self.trace = tr.id, tr
@@ -148,6 +172,7 @@ class SimRequest:
         self.waited = 0                           # iterations passed over in a row
         self.seg_prompt = self.seq
         self.resv = 0                             # device blocks reserved for its swap-in
+        self.pinned = False                       # its call's handling was fixed at the call (not replanned)
 
     @property
     def pending(self) -> int:
@@ -167,6 +192,7 @@ class IterationStat:
     swap_in_tokens: int
     swap_limit_tokens: Optional[int]   # None: unlimited (sync swap)
     used_blocks: int
+    decode_tokens: int = 0             # of batched_tokens, one-token steps (the rest: prefill / recompute chunks)
 
 
 @dataclass
@@ -187,10 +213,14 @@ def _static(policy: InterceptionPolicy) -> bool:
 class Simulator:
     def __init__(self, trace: Trace, profile: Profile, interception: InterceptionPolicy, ranking: RankingPolicy, *,
                  prefix_caching: bool = True, max_iterations: int = 5_000_000,
-                 max_batch_requests: Optional[int] = None, admission: str = "greedy", oracle: bool = True,
-                 lengths: Optional[OutputLengths] = None, timeline: bool = False, rank_preempt: bool = False):
+                 max_batch_requests: Optional[int] = None, admission: str = "greedy", oracle: bool = False,
+                 lengths: Optional[OutputLengths] = None, timeline: bool = False, rank_preempt: bool = False,
+                 rank_c_other: str = "running"):
         if admission not in ("greedy", "peak"):
             raise ValueError(f"unknown admission {admission!r}; choose greedy or peak")
+        if rank_c_other not in ("running", "full-cache"):
+            raise ValueError(f"unknown rank_c_other {rank_c_other!r}; choose running or full-cache")
+        self.rank_c_other = rank_c_other
         if max_batch_requests is not None and (not isinstance(max_batch_requests, int) or max_batch_requests < 1):
             raise ValueError(f"max_batch_requests must be a positive integer, got {max_batch_requests!r}")
         if not isinstance(interception, InterceptionPolicy):
@@ -212,7 +242,11 @@ class Simulator:
         self.peak = admission == "peak"
         self.oracle = oracle
         self.rank_preempt = rank_preempt
-        self.lengths = lengths if lengths is not None else OutputLengths()
+        # the product's online predictions; its durations are the policy's (a tool's time observed once)
+        self.predictor = SegmentPredictor(lengths=lengths, durations=interception.durations)
+        self.lengths = self.predictor.lengths
+        self.horizon = getattr(ranking, "horizon", "segment") == "job"
+        self.handling_at_call = ranking.handling_at_call
         self.reqs = [SimRequest(tr) for tr in sorted(trace.requests, key=lambda r: r.arrival)]
         self.static = _static(interception)
         self.fixed = isinstance(interception, Fixed)
@@ -236,6 +270,7 @@ class Simulator:
         self.stats: Dict[str, Any] = {"iterations": 0, "preemptions": 0, "recomputed_tokens": 0,
                                       "swap_out_blocks": 0, "swap_in_blocks": 0, "cache_hit_tokens": 0,
                                       "paused_dropped": 0, "rank_preemptions": 0,
+                                      "swap_dropped_blocks": 0,
                                       "handling": {h.value: 0 for h in Handling},
                                       "replanned": {h.value: 0 for h in Handling}}
         self._n = 0
@@ -307,16 +342,19 @@ class Simulator:
         s.context_len = r.seq
         last = r.seg == len(segs) - 1
         r.seg_prompt = r.seq
+        # a new segment: a new prediction (the ranking's cached score and handling go with the old one)
+        s.score = s.predicted_handling = s.future_score = None
         if self.oracle:
             s.expected_output = seg.completion_tokens
             s.expected_tool_s = None if last else seg.api_time
+            s.expected_tool = None if last else r.tool
             s.future = tuple((segs[j].completion_tokens, None if j == len(segs) - 1 else segs[j].api_time,
                               segs[j - 1].api_token_length + segs[j].prompt_tokens)
                              for j in range(r.seg + 1, len(segs)))
         else:
-            s.expected_output = self.lengths.estimate(r.tool, r.seq)
-            s.expected_tool_s = None if last else self.policy.durations.estimate(r.tool)
-        s.expected_tool = None if last else r.tool
+            pred = self.predictor.predict(r.tool, r.seq, r.seg, horizon=self.horizon)
+            s.expected_output, s.expected_tool = pred.expected_output, pred.expected_tool
+            s.expected_tool_s, s.future = pred.expected_tool_s, pred.future
         if self.fixed:
             s.handling = self.policy.decide(InterceptedContext(r.seq, id=r.id, tool=r.tool), BatchState(), self.now)
 
@@ -330,9 +368,11 @@ class Simulator:
         tr = r.trace
         api = tr.segments[r.seg]
         r.tool_s += api.api_time
-        self.policy.durations.observe(r.tool, api.api_time)
         r.seg += 1
         add = api.api_token_length + tr.segments[r.seg].prompt_tokens
+        # as the gateway observes a call: its time (the per-tool time, once) and the tokens it adds
+        self.predictor.observe_call(r.tool, r.tool, api.api_time, add)
+        r.pinned = False
         r.seq += add
         r.fresh += add
         if not self.policy.keeps_arrival:
@@ -402,7 +442,7 @@ class Simulator:
             if not r.out_left:
                 self.out_queue.remove(r)
         if self.swapin:
-            order = sorted(self.swapin, key=lambda x: x.arrival)
+            order = sorted(self.swapin, key=lambda x: x.arrival0)  # original arrival (module doc, 2.)
             for r in order:
                 if left <= 0:
                     break
@@ -434,6 +474,29 @@ class Simulator:
         v.state = WAITING
         self.stats["preemptions"] += 1
 
+    def blocked_swapins(self) -> List[SimRequest]:
+        """Resumed contexts still waiting for the device blocks of their swap-in."""
+        return [x for x in self.swapin if x.resv < x.hb]
+
+    def drop_swapin(self, v: SimRequest) -> None:
+        """A resumed context that cannot get device memory for its swap-in
+        gives it up and recomputes (vLLM's preemption by recompute): its
+        device part, host part and reservation are freed.  Without this a
+        context whose swap-out was cancelled half-way (part on the device,
+        part on the host) and a running request needing memory would wait
+        on each other for ever.  Only when nothing else can run (``run``):
+        the host blocks it drops are counted in ``swap_dropped_blocks``."""
+        self.account(v)
+        self.used -= self.dev_blocks(v) + v.resv
+        self.host_used -= v.hb
+        self.stats["swap_dropped_blocks"] += v.hb
+        v.hb = v.resv = v.kv = 0
+        v.fresh = min(v.fresh, v.seq)
+        self.swapin.remove(v)
+        v.state = WAITING
+        self.ready[v] = None
+        self.stats["preemptions"] += 1
+
     def make_room(self, need: int, protect: SimRequest, ranked: Optional[List[SimRequest]],
                   scheduled: set) -> bool:
         """Free ``need`` blocks: preserved paused contexts first (latest call
@@ -455,12 +518,15 @@ class Simulator:
             self.preempt(victims[-1])
         return True
 
+    def running_kv(self) -> int:
+        """C_other's one meaning: device KV tokens of the RUNNING requests
+        (decoding or prefilling; paused, swapping and waiting ones hold
+        none on the device or are not in the batch)."""
+        return sum(self.dev_tokens(r) for r in self.ready if r.state == RUNNING)
+
     def rank_state(self, it: int) -> RankState:
-        # batch_context_tokens=None: the ranking assumes a full cache around a
-        # request (LAMPS estimates the batch's context offline; the ranking
-        # matters when memory is full), not the instantaneous batch, which
-        # is empty whenever the engine is (and would make every discard free)
-        return RankState(iteration=it, iteration_s=self.last_iter_s, batch_context_tokens=None)
+        c_other = self.running_kv() if self.rank_c_other == "running" else None
+        return RankState(iteration=it, iteration_s=self.last_iter_s, batch_context_tokens=c_other)
 
     def form_batch(self, it: int):
         bs = self.bs
@@ -509,6 +575,9 @@ class Simulator:
                 scheduled.add(r)
                 budget -= 1
                 slots -= 1
+        # the waiting work (new prompt and tool-result tokens, recomputation alike) gets what an
+        # iteration gives it beside the decodes: up to S under chunked recomputation (module doc, 3.)
+        budget = min(budget, self.p.prefill_budget(len(sched), self.policy.chunked_recompute))
         cands = [r for r in prefills if r.state == RUNNING]
         if self.available() > 0:  # else no waiting request can be admitted: skip ranking them
             cands += waiting
@@ -516,7 +585,6 @@ class Simulator:
             if state is None:
                 state = self.rank_state(it)
             ranked = self.ranking.order(cands, state)
-            rec_left = (self.p.recompute_chunk(len(decodes)) if self.policy.chunked_recompute else 1 << 60)
             admit = True
             n_prefills = 0
             for r in ranked:
@@ -534,7 +602,7 @@ class Simulator:
                 rec = pend - fresh
                 if rec > 0:
                     if self.policy.chunked_recompute:
-                        n_rec = min(rec, rec_left, budget)
+                        n_rec = min(rec, budget)
                     else:
                         n_rec = rec if (rec <= budget or n_prefills == 0) else 0
                     if n_rec <= 0:
@@ -571,8 +639,6 @@ class Simulator:
                 budget -= max(chunk, 1 if emit else 0)
                 slots -= 1
                 n_prefills += 1
-                if self.policy.chunked_recompute:
-                    rec_left -= n_rec
         return sched, decodes, prefills, waiting
 
     def preempt_for_head(self, running: List[SimRequest], waiting: List[SimRequest], state: RankState) -> bool:
@@ -639,6 +705,11 @@ class Simulator:
                 if stall or out_b or in_b:
                     self.now += stall if stall else p.t_swap((out_b + in_b) * self.bs)
                     continue
+                blocked = self.blocked_swapins()
+                if blocked and not self.preserved:
+                    # nothing runs and no preserved context will resume and free memory: one recomputes
+                    self.drop_swapin(max(blocked, key=lambda x: x.arrival0))
+                    continue
                 t_next = [self.returns[0][0]] if self.returns else []
                 if nxt < len(reqs):
                     t_next.append(reqs[nxt].arrival)
@@ -657,8 +728,10 @@ class Simulator:
             ctx = 0
             rec_tokens = 0
             rec_mem = 0
+            steps = 0
             for r, chunk, n_new, emit, n_rec in sched:
                 batched += chunk if chunk else (1 if emit else 0)
+                steps += 0 if chunk else (1 if emit else 0)
                 r.kv += chunk
                 r.fresh -= n_new
                 if n_rec:
@@ -675,26 +748,27 @@ class Simulator:
                 r.sched.context_len = r.seq
             dt = p.t_fwd(batched, ctx)
             if rec_tokens:
-                extra = dt - p.t_fwd(max(1, batched - rec_tokens), ctx)
+                # the other requests wait the time the recomputed tokens *add* to the iteration: the
+                # same Profile.added_time eq. 4 charges (the objective and its judge agree)
+                extra = p.added_time(rec_tokens, batched - rec_tokens)
                 self.waste_tok_s += rec_mem * dt + (ctx - rec_mem) * extra
                 self.stats["recomputed_tokens"] += rec_tokens
             if stall:
                 self.waste_tok_s += ctx * stall
             if self.timeline is not None:
                 self.timeline.append(IterationStat(self.now, dt + stall, batched, len(sched), out_b * self.bs,
-                                                   in_b * self.bs, limit, self.used))
+                                                   in_b * self.bs, limit, self.used, steps))
             self.now += dt + stall
             self.last_iter_s = dt
             # 5. finishes and interceptions
             newly = []
-            c_other = 0
+            at_call: Dict[SimRequest, Handling] = {}
             for r, chunk, n_new, emit, n_rec in sched:
                 if emit and r.first_token is None:
                     r.first_token = self.now
                 seg = r.trace.segments[r.seg]
                 if r.kv == r.seq and r.seg_gen >= seg.completion_tokens:
-                    if not self.oracle:
-                        self.lengths.observe(r.tool, r.seg_prompt, r.seg_gen)
+                    self.predictor.observe_segment(r.tool, r.seg_prompt, r.seg_gen)
                     if r.seg == len(r.trace.segments) - 1:
                         r.state = DONE
                         del self.ready[r]
@@ -702,6 +776,7 @@ class Simulator:
                         self.used -= self.nb(r.kv)
                         r.kv = 0
                         done += 1
+                        self.predictor.observe_finish(r.tool, len(r.trace.segments))
                         continue
                     r.state = PAUSED
                     del self.ready[r]
@@ -709,12 +784,13 @@ class Simulator:
                     r.call_end = self.now + seg.api_time
                     self._n += 1
                     heapq.heappush(self.returns, (r.call_end, self._n, r))
+                    h = self.handling_at_call(r)  # before on_interception starts the next prediction
+                    if h is not None:
+                        at_call[r] = h
                     if self.on_interception is not None:
                         self.on_interception(r)
                     newly.append(r)
-                else:
-                    c_other += r.kv
-            self.intercept(newly, c_other, len(decodes), batched)
+            self.intercept(newly, at_call, steps, batched)
             # 6. ranking bookkeeping
             scheduled = [x[0] for x in sched]
             sset = set(scheduled)
@@ -730,17 +806,24 @@ class Simulator:
         self.stats["iterations"] = it
         return self.result(t0)
 
-    def intercept(self, newly: List[SimRequest], c_other: int, decodes: int, batched: int) -> None:
-        ctxs = list(newly)
+    def intercept(self, newly: List[SimRequest], at_call: Dict[SimRequest, Handling], decodes: int,
+                  batched: int) -> None:
+        """Handle the calls reached this iteration (module doc, 5.)."""
+        for r, h in at_call.items():  # LAMPS' handling for the segment, as predicted (Algorithm 1)
+            r.pinned = True
+            self.apply(r, h, False)
+        ctxs = [r for r in newly if r not in at_call]
         if not self.static:
-            ctxs += [r for r in self.preserved if r.kv and r.state == PAUSED and r.call_start < self.now]
+            ctxs += [r for r in self.preserved if r.kv and r.state == PAUSED and r.call_start < self.now
+                     and not r.pinned]
         if not ctxs:
             return
         backlog = sum(r.out_left for r in self.out_queue) * self.bs
-        batch = BatchState(context_tokens=c_other, decode_tokens=decodes, batched_tokens=max(1, batched),
+        batch = BatchState(context_tokens=self.running_kv(), decode_tokens=decodes, batched_tokens=max(1, batched),
                            swap_backlog_tokens=backlog)
         ics = [InterceptedContext(r.kv, self.dev_blocks(r),
-                                  r.trace.segments[r.seg].api_time if self.oracle else None,
+                                  r.trace.segments[r.seg].api_time if self.oracle
+                                  else self.predictor.call_seconds(r.tool, r.tool),
                                   r.tool, r.id, r.call_start) for r in ctxs]
         plan = self.policy.plan(ics, batch, self.now)
         new_ids = {r.id for r in newly}
@@ -774,14 +857,17 @@ class Simulator:
 
 def simulate(trace: Trace, profile: Profile, interception: InterceptionPolicy, ranking: RankingPolicy, *,
              prefix_caching: bool = True, max_iterations: int = 5_000_000, max_batch_requests: Optional[int] = None,
-             admission: str = "greedy", oracle: bool = True, lengths: Optional[OutputLengths] = None,
-             timeline: bool = False, rank_preempt: bool = False) -> SimResult:
+             admission: str = "greedy", oracle: bool = False, lengths: Optional[OutputLengths] = None,
+             timeline: bool = False, rank_preempt: bool = False, rank_c_other: str = "running") -> SimResult:
     """Replay ``trace`` on a simulated engine of ``profile`` under these
-    policies (module doc).  Policy objects are used as given (their learned
-    predictors carry over between calls: build fresh ones per run)."""
+    policies (module doc).  Predictions are learned online as the product
+    does; ``oracle=True`` reads them from the trace (the upper bound).
+    Policy objects are used as given (their learned predictors carry over
+    between calls: build fresh ones per run)."""
     return Simulator(trace, profile, interception, ranking, prefix_caching=prefix_caching,
                      max_iterations=max_iterations, max_batch_requests=max_batch_requests, admission=admission,
-                     oracle=oracle, lengths=lengths, timeline=timeline, rank_preempt=rank_preempt).run()
+                     oracle=oracle, lengths=lengths, timeline=timeline, rank_preempt=rank_preempt,
+                     rank_c_other=rank_c_other).run()
 
 
 __all__ = ["simulate", "Simulator", "SimResult", "SimRequest", "IterationStat", "SimulationError"]
