@@ -12,7 +12,8 @@ import pytest
 from helpers import run
 from interlace.engine_ext import errors as E
 from interlace.engine_ext.native.engine import NativeEngine
-from interlace.engine_ext.policies import Fixed, Handling, Profile, make_interception, make_ranking
+from interlace.engine_ext.policies import (FCFS, BatchState, Fixed, Handling, Preserve, Profile, RankState,
+                                          make_interception, make_ranking)
 from interlace.engine_ext.protocol import PauseHint, RequestHint, SamplingParams
 
 BS = 4
@@ -551,3 +552,171 @@ def test_a_swap_in_with_no_free_block_waits_while_other_work_runs():
     assert (n_in, failed) == (1, []) and len(sw.queue_in) == 1
     n_out, n_in, failed = sw.issue(None, make_room=lambda: False, can_wait=False)
     assert failed == [ctx]                           # nothing else runs: recompute rather than stall
+
+
+class SeeingPreserve(Preserve):
+    """Preserve, keeping what each plan saw: C_other, and the running contexts then (read on the engine thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.eng = None
+        self.seen = []
+
+    def plan(self, paused, batch=BatchState(), now=0.0):
+        running = [(c.id, c.num_computed, len(c.token_ids)) for c in self.eng.scheduler.active]
+        self.seen.append((batch.context_tokens, running))
+        return super().plan(paused, batch, now)
+
+
+class SeeingFCFS(FCFS):
+    """FCFS, keeping the RankState.batch_context_tokens of each order() and the running contexts then."""
+
+    def __init__(self):
+        self.eng = None
+        self.seen = []
+
+    def order(self, items, state=RankState()):
+        running = [(c.id, c.num_computed, len(c.token_ids)) for c in self.eng.scheduler.active]
+        self.seen.append((state.batch_context_tokens, running))
+        return super().order(items, state)
+
+
+def test_policies_see_c_other_as_the_running_contexts_device_kv(tiny_dirs):
+    """C_other has one meaning (the simulator's too): the device KV of the
+    contexts running at the decision, without the deciding (paused) one --
+    not their token counts (a decoding context's newest token has no KV
+    yet).  The interception policy and the ranking get the same number."""
+    policy, ranking = SeeingPreserve(), SeeingFCFS()
+    with engine(tiny_dirs, policy, ranking=ranking) as eng:
+        policy.eng = ranking.eng = eng
+
+        async def go():
+            await asyncio.gather(agent(eng, "a", gap=0.3), background(eng, n=40))
+            await drained(eng)
+
+        run(go())
+    for seen in (policy.seen, ranking.seen):
+        alone = [(c_other, running[0]) for c_other, running in seen if [r[0] for r in running] == ["bg"]]
+        decoding = [(c_other, kv) for c_other, (_, kv, toks) in alone if toks == kv + 1 and kv]
+        assert decoding, seen
+        assert all(c_other == kv for c_other, kv in decoding), decoding
+
+
+class PredictingFCFS(FCFS):
+    """FCFS whose predicted handling for the call is ``handling`` (as LAMPS' handling_at_call): the
+    prediction of the segment that reached the call, gone once ``on_interception`` starts the next."""
+
+    def __init__(self, handling):
+        self.handling = handling
+        self.asked = 0
+        self.next_segment = False
+
+    def handling_at_call(self, item):
+        self.asked += 1
+        return None if self.next_segment else self.handling
+
+    def on_interception(self, item):
+        self.next_segment = True
+
+
+@pytest.mark.parametrize("predicted,policy,host,expected", [
+    (Handling.PRESERVE, "discard", None, "preserve"),   # kept: the policy would discard it at every step
+    (Handling.DISCARD, "preserve", None, "discard"),
+    (Handling.SWAP, "preserve", None, "swap"),
+    (Handling.SWAP, "preserve", BS, "discard"),         # the host pool cannot take it
+    (None, "discard", None, "discard"),                 # no prediction: the policy decides
+])
+def test_the_rankings_handling_is_applied_at_the_call(tiny_dirs, predicted, policy, host, expected):
+    """LAMPS' Algorithm 1 (lines 35-42): a ranking that predicts the call's
+    handling has it applied at the call, instead of the interception
+    policy's, and kept while the call runs (not planned afresh)."""
+    ranking = PredictingFCFS(predicted)
+    with engine(tiny_dirs, make_interception(policy, slow_link()), ranking=ranking, host_pool_tokens=host) as eng:
+        async def go():
+            res = await asyncio.gather(agent(eng, "a", gap=0.3), background(eng, n=30))
+            stats = dict(eng.stats)
+            await drained(eng)
+            return res, stats
+
+        ((ra, _), stats) = run(go())
+    assert ranking.asked == 1
+    assert {k for k, v in stats["handlings"].items() if v} == {expected}, stats["handlings"]
+    assert stats["handlings"][expected] == 1
+    assert (stats["recomputed_tokens"] > 0) is (expected == "discard")
+    assert reference(tiny_dirs, {"a": ra})["a"] == ra
+
+
+def test_swap_outs_go_first_then_swap_ins_by_original_arrival():
+    """One rule with the simulator (InferCept 4.3): each step's swap budget
+    goes to swap-outs first (they free device memory), then to swap-ins in
+    the order the contexts first arrived, whatever the order of the resumes."""
+    import torch
+
+    from interlace.engine_ext.native.block_manager import BlockManager
+    from interlace.engine_ext.native.sequence import Context, Interception
+    from interlace.engine_ext.native.swap import SWAPPED, Swapper
+
+    blocks = BlockManager(num_blocks=6, block_size=BS)
+    sw = Swapper(blocks, torch.zeros(1, 2, 1, 6, BS, 1), host_blocks=6)
+
+    def held(cid, arrival):
+        ctx = Context(cid, list(range(8)), arrival=arrival)
+        ctx.table.blocks = [blocks.allocate(), blocks.allocate()]
+        ctx.num_computed = 8
+        ctx.intercept = Interception(PauseHint(), 0.0)  # paused: what lands on the host stays there
+        return ctx
+
+    a, b = held("a", 1.0), held("b", 2.0)
+    for ctx in (a, b):
+        assert sw.swap_out(ctx)
+    sw.issue(None)
+    sw.land()
+    c = held("c", 3.0)
+    assert sw.swap_out(c)
+    a.intercept = b.intercept = None
+    sw.swap_in(b)   # b's call returned first
+    sw.swap_in(a)
+    n_out, n_in, failed = sw.issue(3)
+    assert (n_out, n_in, failed) == (2, 1, [])
+    assert a.table.blocks[0] != SWAPPED and b.table.blocks == [SWAPPED, SWAPPED]
+    sw.land()
+    n_out, n_in, _ = sw.issue(None)
+    assert (n_out, n_in) == (0, 3)
+    assert sw.land() == {a, b} and len(c.host) == 2
+    sw.check([a, b, c])
+
+
+@pytest.mark.parametrize("name", ["discard-chunked", "discard"])
+def test_chunked_policy_caps_all_waiting_work_at_s(tiny_dirs, name):
+    """Under chunked recomputation a step's waiting work -- a new prompt as
+    much as a recomputation -- fills the step only up to S minus the
+    decodes (InferCept 4.3; the simulator's rule); without it the token
+    budget is the cap (a 10-token prompt is one chunk)."""
+    s = 6
+    with engine(tiny_dirs, make_interception(name, slow_link(saturation=s)), num_blocks=40) as eng:
+        steps = []
+        real = eng.runner.run
+
+        def spy(batch):
+            decodes = sum(1 for ch in batch.chunks if ch.num == 1 and ch.start > 0)
+            steps.append((decodes, [(ch.ctx.id, ch.num) for ch in batch.chunks if not (ch.num == 1 and ch.start > 0)]))
+            return real(batch)
+
+        eng.runner.run = spy
+
+        async def go():
+            bg = asyncio.create_task(background(eng, n=30))
+            while not eng.stats["decode_tokens"]:
+                await asyncio.sleep(0.01)
+            await eng.fill("a", PROMPTS["a"])  # 10 tokens while "bg" decodes
+            await bg
+            await drained(eng)
+
+        run(go())
+    chunks_a = [n for d, pre in steps for cid, n in pre if cid == "a"]
+    assert sum(chunks_a) == len(PROMPTS["a"])
+    if name == "discard-chunked":
+        assert all(sum(n for _, n in pre) <= max(BS, s - d) for d, pre in steps if d), steps
+        assert len(chunks_a) >= 2, steps
+    else:
+        assert chunks_a == [len(PROMPTS["a"])], steps

@@ -10,6 +10,11 @@ step (InferCept's N_i, from the cost model) behind the forward pass.  A
 resumed (or un-parked) swapped context is scheduled again only once all its
 blocks are back.  The KV held by intercepted contexts is accounted as waste
 (token-seconds), and each call's duration is learned from intercept to resume.
+The policy sees the batch as every engine and the simulator describe it
+(``BatchState.context_tokens`` = C_other: the device KV of the running
+contexts, :meth:`Scheduler.running_kv_tokens`).  A ranking that predicts each
+call's handling (LAMPS with ``handling_at_call``) decides it at the call
+instead of the policy (:meth:`Interceptor.plan`).
 
 :class:`Interceptor` is the engine's collaborator for all of it: it owns the
 intercepted contexts, the policy and cost model they are planned with, and
@@ -38,8 +43,9 @@ from .swap import Swapper
 class Interceptor:
     """Paused and parked contexts, their handling, the waste they hold and the swap budget.
 
-    ``stats`` is the engine's counters dict: this object keeps ``handlings``,
-    ``kv_waste_token_s``, ``swap_out_blocks``, ``swap_in_blocks`` and
+    ``stats`` is the engine's counters dict: this object keeps ``handlings``
+    (each call's first handling), ``replanned`` (a preserved context's later
+    discard or swap), ``kv_waste_token_s``, ``swap_out_blocks``, ``swap_in_blocks`` and
     ``host_used_blocks`` current in it."""
 
     def __init__(self, scheduler: Scheduler, blocks: BlockManager, stats: dict, policy: InterceptionPolicy,
@@ -54,6 +60,7 @@ class Interceptor:
         self.intercepted: Dict[Hashable, Context] = {}  # paused or parked contexts, by id
         self._held_tokens = 0   # device KV tokens held by intercepted contexts, since _waste_at
         self._waste_at = time.monotonic()
+        stats.setdefault("replanned", {h.value: 0 for h in Handling})  # preserved, then discarded or swapped
         self.configure()
 
     # ---------------------------------------------------------------- policies
@@ -64,12 +71,18 @@ class Interceptor:
         """Apply the policy and cost model to the scheduler (after either changed)."""
         prof = self.cost_model()
         chunked = self.policy.chunked_recompute and prof is not None
-        self.scheduler.recompute_chunk = prof.recompute_chunk if chunked else None
+        sched = self.scheduler
+        sched.prefill_budget = ((lambda decodes: prof.prefill_budget(decodes, True, sched.max_batched_tokens))
+                                if chunked else None)
 
     # ------------------------------------------------------------ one context
     def intercept(self, ctx: Context, hint: PauseHint, parked: bool) -> None:
         """``ctx`` waits for a tool (or a client): the next step plans its handling."""
-        ctx.intercept = Interception(hint, time.monotonic(), parked=parked)
+        # the handling the ranking predicted for this call, asked before on_interception starts the next segment
+        at_call = None if parked else getattr(self.scheduler.ranking, "handling_at_call", None)
+        predicted = at_call(ctx) if at_call is not None else None
+        ctx.intercept = Interception(hint, time.monotonic(), parked=parked,
+                                     predicted=Handling(predicted) if predicted is not None else None)
         self.intercepted[ctx.id] = ctx
         on_interception = getattr(self.scheduler.ranking, "on_interception", None)
         if on_interception is not None:
@@ -137,8 +150,17 @@ class Interceptor:
 
     def plan(self) -> None:
         """Ask the policy about contexts intercepted since the last step and
-        those still preserved, and apply its answers."""
-        cands = [c for c in self.intercepted.values() if c.intercept.handling in (None, Handling.PRESERVE)]
+        those still preserved, and apply its answers.
+
+        A ranking that predicts each call's handling and wants it applied
+        at the call (LAMPS' Algorithm 1, lines 35-42:
+        ``ranking.handling_at_call(ctx)``, asked by :meth:`intercept`)
+        decides a newly intercepted context instead of the policy, once:
+        that handling is not reconsidered while the call runs (a swap the
+        host pool cannot take is still a discard)."""
+        cands = [c for c in self.intercepted.values()
+                 if c.intercept.handling is None or (c.intercept.handling is Handling.PRESERVE
+                                                     and c.intercept.predicted is None)]
         if not cands:
             return
         infos = []
@@ -147,18 +169,27 @@ class Interceptor:
             if held == 0:  # nothing on the device (dropped for room, or never computed): nothing to decide
                 if c.intercept.handling is None:
                     c.intercept.handling = Handling.DISCARD
+                    self.stats["handlings"]["discard"] += 1  # every call counts once, as in the simulator
                 continue
             rec = c.intercept
+            if rec.handling is None and rec.predicted is not None:
+                self._apply(c, rec.predicted)
+                continue
             infos.append(InterceptedContext(context_len=held, num_blocks=sum(b >= 0 for b in c.table.blocks),
                                             expected_duration_s=rec.hint.expected_duration_s, tool=rec.hint.tool,
                                             id=c.id, call_time=rec.call_time))
         if not infos:
             return
-        active = self.scheduler.active
-        decodes = sum(1 for c in active if c.num_uncomputed == 1 and c.num_computed)
-        batch = BatchState(context_tokens=sum(len(c.token_ids) for c in active), decode_tokens=decodes,
-                           batched_tokens=max(1, min(self.scheduler.max_batched_tokens,
-                                                     sum(c.num_uncomputed for c in active))),
+        sched = self.scheduler
+        runnable = [c for c in sched.active if not c.on_host]
+        decodes = sum(1 for c in runnable if c.num_uncomputed == 1 and c.num_computed)
+        waiting = sum(c.num_uncomputed for c in runnable) - decodes
+        # the step about to run: its decodes and the waiting work its prefill budget lets in
+        cap = sched.prefill_budget(decodes) if sched.prefill_budget is not None else sched.max_batched_tokens
+        batched = max(1, min(sched.max_batched_tokens, decodes + min(waiting, cap)))
+        # C_other (one meaning everywhere): the running contexts' device KV; the deciding ones are paused,
+        # so none of them is among it
+        batch = BatchState(context_tokens=sched.running_kv_tokens(), decode_tokens=decodes, batched_tokens=batched,
                            swap_backlog_tokens=self.swap.backlog_blocks * self.block_size)
         plan = self.policy.plan(infos, batch, time.monotonic())
         for info in infos:
@@ -175,8 +206,9 @@ class Interceptor:
             h = Handling.DISCARD  # the host pool is full
         if h is Handling.DISCARD:
             self.scheduler.preempt(ctx)  # blocks released; full ones stay in the prefix cache
+        # a call's first handling, or (a preserved context reconsidered) a later change, as the simulator counts
+        self.stats["handlings" if rec.handling is None else "replanned"][h.value] += 1
         rec.handling = h
-        self.stats["handlings"][h.value] += 1
 
     def issue_swaps(self, batch: Batch) -> Tuple[int, int, Optional[int]]:
         """Move what the swap budget allows behind this step's forward pass

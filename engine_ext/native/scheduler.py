@@ -18,10 +18,12 @@ used; its full blocks stay in the prefix cache until evicted, so that is
 often cheap.
 
 Contexts with KV in (or moving to or from) the host pool are skipped until
-their swap-in is complete.  A context recomputing KV it had before (a
-discarded interception) gets prefill chunks of at most ``recompute_chunk``
-tokens when the engine sets it (InferCept's chunked recomputation under the
-saturation point S, mixed with the decodes).
+their swap-in is complete.  Under chunked recomputation (the engine sets
+``prefill_budget``: decodes -> tokens) a step's waiting work -- new prompts,
+tool results and recomputation alike -- takes at most that many tokens
+beside the decodes (InferCept 4.3: the iteration is filled up to the
+saturation point S, :meth:`Profile.prefill_budget`, the simulator's rule
+too); otherwise prefills take what ``max_batched_tokens`` leaves.
 
 Both groups are served fairly across tenants (the API keys of
 ``RequestHint.tenant``): a step's ``max_seqs`` slots are dealt out
@@ -72,7 +74,7 @@ class Scheduler:
                  release: Optional[Callable[[Context], None]] = None):
         self.blocks = blocks
         self.release = release or (lambda ctx: blocks.release(ctx.table))  # drop a context's KV (device and host)
-        self.recompute_chunk: Optional[Callable[[int], int]] = None  # decodes -> max recomputation chunk
+        self.prefill_budget: Optional[Callable[[int], int]] = None  # decodes -> max prefill tokens this step
         self.rank_state: Callable[[], RankState] = RankState
         self.inactive = inactive  # idle and paused contexts, in the order their KV may be dropped
         self.ranking = ranking or FCFS()
@@ -91,6 +93,15 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return any(c.num_uncomputed > 0 for c in self.active)
+
+    def running_kv_tokens(self) -> int:
+        """C_other as every engine and the simulator define it: the device KV
+        tokens of the contexts running now (decoding or prefilling; paused
+        contexts are not in ``active``, swapped ones are skipped).  A context
+        waiting for admission holds none."""
+        bs = self.blocks.block_size
+        return sum(min(c.num_computed, bs * sum(b >= 0 for b in c.table.blocks))
+                   for c in self.active if not c.on_host)
 
     def preempt(self, ctx: Context) -> None:
         self.release(ctx)
@@ -117,20 +128,26 @@ class Scheduler:
         # tenant before every prefill would let a burst that fills max_seqs hold another tenant's
         # new request out until the burst's requests end (the trial: a 4-token chat, 14 s).
         order = fair_order(self.ranking.order(decodes, state) + self.ranking.order(prefills, state))
-        chunk = self.recompute_chunk(len(decodes)) if self.recompute_chunk is not None else None
+        # waiting work's share of the step (chunked recomputation: up to S beside the decodes)
+        prefill_left = self.prefill_budget(len(decodes)) if self.prefill_budget is not None else budget
         scheduled: set = set()
         for ctx in order:
             if budget == 0 or len(batch.chunks) >= self.max_seqs:
                 break
             if ctx in scheduled:
                 continue
+            is_decode = ctx.num_uncomputed == 1 and ctx.num_computed > 0
+            if not is_decode and prefill_left <= 0:
+                continue  # a tenant's decodes may still follow in the fair order
             waiting = ctx.num_computed == 0  # not admitted yet (the sim's WAITING): new, discarded, preempted
             if not ctx.table.blocks and ctx.num_computed == 0:
                 ctx.num_computed = self.blocks.match_prefix(ctx.table, ctx.token_ids)
             n = min(ctx.num_uncomputed, budget)
+            if not is_decode:
+                n = min(n, prefill_left)
+                if n <= 0:
+                    continue
             start = ctx.num_computed
-            if chunk is not None and start < ctx.recompute_end:
-                n = min(n, max(1, chunk))
             while True:
                 try:
                     batch.copies += self.blocks.prepare_append(ctx.table, start, start + n)
@@ -141,9 +158,10 @@ class Scheduler:
                         break
                     self.preempt(victim)
             if self.blocks.blocks_for(start + n) > len(ctx.table.blocks):
-                # Nothing left to preempt.  If nothing at all runs this step,
-                # waiting cannot help: the cache is held by idle/paused contexts.
-                if not batch.chunks:
+                # Nothing left to preempt.  If nothing at all runs this step and no swap is
+                # moving blocks (a swap-out frees them; a swap-in that cannot finish is given
+                # up to recomputation), waiting cannot help: idle/paused contexts hold the cache.
+                if not batch.chunks and not self._moves_pending():
                     batch.failed.append((ctx, KVCacheExhausted(
                         f"KV cache full ({self.blocks.num_blocks} blocks): idle or paused contexts hold it; "
                         "free some contexts")))
@@ -151,8 +169,13 @@ class Scheduler:
             batch.chunks.append(ScheduledChunk(ctx, start, n))
             scheduled.add(ctx)
             budget -= n
+            if not is_decode:
+                prefill_left -= n
         self.ranking.observe([ch.ctx for ch in batch.chunks], [c for c in order if c not in scheduled])
         return batch
+
+    def _moves_pending(self) -> bool:
+        return any(c.swap_ops for c in self.active) or any(c.swap_ops for c in self.inactive())
 
     def make_room(self) -> bool:
         """Drop the KV of one context that is not running (idle, then paused: the drop order

@@ -56,6 +56,7 @@ class Interception:
     call_time: float                      # engine clock when it began
     parked: bool = False
     handling: Optional[Handling] = None   # None: not decided yet (the next step plans it)
+    predicted: Optional[Handling] = None  # the ranking's handling for this call (LAMPS at the call): applied, kept
 
 
 @dataclass(eq=False)

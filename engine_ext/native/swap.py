@@ -11,7 +11,9 @@ the device until the block is evicted, which also removes its hash), so the
 prefix cache never points at a reused block.
 
 Moves are queued and issued a budget at a time (what hides behind one
-forward pass), swap-ins first: a resumed context waits for its blocks.  Ops
+forward pass): swap-outs first (they free device memory), then swap-ins in
+the contexts' original-arrival order (InferCept 4.3's swap queue, FCFS; the
+rule the simulator follows too).  Ops
 issued in one step *land* at the start of the next: on CUDA the copies run
 on a side stream, overlapped with the forward pass, from/to pinned memory,
 and landing waits for them; on CPU the copy is immediate but the same
@@ -117,8 +119,8 @@ class Swapper:
         self.queue_out = keep
 
     def swap_in(self, ctx) -> None:
-        """Queue every host block of ``ctx`` back (ahead of other swap-ins
-        is not needed: swap-ins already go before all swap-outs)."""
+        """Queue every host block of ``ctx`` back (issued in arrival order,
+        whatever the order of the resumes)."""
         self.cancel_out(ctx)
         queued = {op.idx for op in self.queue_in if op.ctx is ctx} | {
             op.idx for op in self.inflight if op.ctx is ctx and not op.out}
@@ -148,8 +150,9 @@ class Swapper:
 
     # ---------------------------------------------------------------- moves
     def issue(self, limit_blocks: Optional[int], make_room=None, can_wait: bool = False) -> tuple:
-        """Start up to ``limit_blocks`` moves (None: all queued), swap-ins
-        first.  ``make_room()`` frees a device block for a swap-in or returns
+        """Start up to ``limit_blocks`` moves (None: all queued), swap-outs
+        first, then swap-ins, the earliest-arrived context's first.
+        ``make_room()`` frees a device block for a swap-in or returns
         False.  A swap-in that gets no device block waits for one when
         ``can_wait`` (other work runs and will free blocks: the host copy is
         kept, as InferCept and the simulator do); otherwise its context is
@@ -163,6 +166,16 @@ class Swapper:
             self.stream.wait_stream(torch.cuda.current_stream(self.dev_kv.device))
             stream_ctx.__enter__()
         try:
+            while self.queue_out and budget > 0:
+                op = self.queue_out.popleft()
+                self.reserved -= 1
+                op.dev, op.host = op.ctx.table.blocks[op.idx], self.pool.allocate()
+                self.pool.kv[:, :, :, op.host].copy_(self.dev_kv[:, :, :, op.dev], non_blocking=True)
+                self.inflight.append(op)
+                n_out += 1
+                budget -= 1
+            if len(self.queue_in) > 1:  # FCFS by original arrival (stable: a context's blocks keep their order)
+                self.queue_in = deque(sorted(self.queue_in, key=lambda op: op.ctx.arrival))
             while self.queue_in and budget > 0:
                 op = self.queue_in[0]
                 if op.ctx in failed:
@@ -182,14 +195,6 @@ class Swapper:
                 self.dev_kv[:, :, :, dev].copy_(self.pool.kv[:, :, :, op.host], non_blocking=True)
                 self.inflight.append(op)
                 n_in += 1
-                budget -= 1
-            while self.queue_out and budget > 0:
-                op = self.queue_out.popleft()
-                self.reserved -= 1
-                op.dev, op.host = op.ctx.table.blocks[op.idx], self.pool.allocate()
-                self.pool.kv[:, :, :, op.host].copy_(self.dev_kv[:, :, :, op.dev], non_blocking=True)
-                self.inflight.append(op)
-                n_out += 1
                 budget -= 1
             if self.inflight and self.stream is not None:
                 self.event = torch.cuda.Event()
