@@ -242,10 +242,8 @@ def run_engines(args: Any, base: Any, rates: List[float], per_rate: Callable[[An
 
 
 class _Label:
-    """What print_table reads of a variant (its policy triple), for an engine row."""
+    """What print_table reads of a variant (its policy label), for an engine row."""
 
     def __init__(self, name: str):
         self.name = name
-        self.interception, self.ranking, self.prefix_caching = {
-            "vllm-server": ("vllm", "fcfs", True), "vllm": ("discard", "lamps", True)}.get(
-                name, ("infercept", "lamps", True))
+        self.label = {"vllm-server": "vllm, fcfs, on", "vllm": "discard, lamps, on"}.get(name, "infercept, lamps, on")

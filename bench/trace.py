@@ -15,16 +15,35 @@ profile, that the simulator predicts the engine: ``tests/test_sim_validation.py`
 
 Variants (``--variants``; name -> interception, ranking, prefix caching):
 
-* ``vllm-old``  vllm + fcfs, no prefix caching: Discard+FCFS as the papers
-  measured vLLM (a resumed request queues as a new one and recomputes at once);
 * ``vllm``      vllm + fcfs + prefix caching: vLLM today (a tool result is a
-  new request; the automatic prefix cache keeps what was not evicted);
-* ``preserve``, ``swap``, ``infercept``: that handling + fcfs + prefix caching;
-* ``lamps``     infercept + lamps (LAMPS as published builds on InferCept's
-  handling);
-* ``interlace`` Interlace's default (:data:`INTERLACE_DEFAULT`).  Today it is
-  the same triple as ``lamps``; the tables say so rather than pretend a
-  difference.
+  new request; the automatic prefix cache keeps what was not evicted) -- the
+  baseline of the headline figures;
+* ``vllm-old``  vllm + fcfs, no prefix caching: Discard+FCFS as the papers
+  measured vLLM (a resumed request queues as a new one and recomputes at
+  once) -- a historical row, printed but never a headline;
+* ``preserve``, ``swap``, ``infercept``: that handling + fcfs + prefix caching
+  (``infercept``, InferCept+FCFS, is LAMPS' baseline);
+* ``lamps``     infercept + lamps with ``make_ranking``'s defaults (LAMPS as
+  published builds on InferCept's handling);
+* ``lamps-segment`` / ``lamps-job``: LAMPS' horizon set to the paper's
+  segment (each call starts a new "request") / to the whole job (adds the
+  later segments); ``lamps-at-call``: the handling LAMPS predicted for a
+  segment applied at its call (Algorithm 1, lines 35-42) instead of deciding
+  afresh -- side by side so the defaults are chosen by measurement;
+* ``interlace`` Interlace's default (:data:`INTERLACE_DEFAULT`).  A variant
+  whose configuration repeats an earlier one's is run once and printed as
+  ``name (= earlier)``: the tables say so rather than pretend a difference.
+
+Predictions.  Online by default (the product's condition): the simulator
+learns lengths and call times as it goes (``simulate(oracle=False)``), and
+the native runner feeds one :class:`~engine_ext.policies.hints.SegmentPredictor`
+per variant run as the gateway does.  ``--oracle`` gives every policy the
+trace's true lengths, call times and later segments (an upper bound);
+``--oracle-too`` runs both and prints the oracle rows beside the online ones,
+never as the headline.  ``--seeds 0,1,2`` runs every (rate, variant) per seed
+(trace and arrivals drawn per seed); tables and headline lines give the
+median over seeds with the spread (min-max) beside it, the JSON keeps each
+seed's results.
 
 Native runner.  Each trace request arrives at its Poisson time (asyncio);
 its prompt is ``prompt_tokens`` random token ids (seeded, distinct per
@@ -38,8 +57,10 @@ with ``api_token_length`` random tokens plus the next segment's
 ``prompt_tokens``.  Records (arrival, first token, finish, tool time as
 waited, output tokens) are summarised by :func:`engine_ext.sim.metrics.summarize`,
 the same function the simulator uses.  Where the engine accepts a
-``RequestHint``, the trace's true lengths and call times are passed
-(an oracle, as the simulator's default ``oracle=True``).
+``RequestHint``, each segment gets its own: the first at ``generate``, the
+next at each ``resume(..., hint=)`` -- the trace's true values with
+``--oracle``, else the shared predictor's (observed at each pause, call and
+finish, as the gateway observes them).
 """
 
 from __future__ import annotations
@@ -50,6 +71,7 @@ import inspect
 import json
 import math
 import random
+import statistics
 import sys
 import textwrap
 import time
@@ -66,27 +88,66 @@ class BenchError(ValueError):
 
 @dataclass(frozen=True)
 class Variant:
+    """A policy configuration.  ``horizon`` / ``handling_at_call`` are LAMPS'
+    options (``make_ranking(..., horizon=, handling_at_call=)``); None: the
+    ranking's default."""
+
     interception: str
     ranking: str
     prefix_caching: bool
     about: str = ""
+    horizon: Optional[str] = None
+    handling_at_call: Optional[bool] = None
 
     @property
-    def triple(self) -> Tuple[str, str, bool]:
-        return (self.interception, self.ranking, self.prefix_caching)
+    def config(self) -> Tuple[str, str, bool, Optional[str], Optional[bool]]:
+        """What the run depends on, defaults resolved (two variants with the
+        same config are run once); LAMPS' options only where the ranking is LAMPS."""
+        if self.ranking != "lamps":
+            return (self.interception, self.ranking, self.prefix_caching, None, None)
+        return (self.interception, self.ranking, self.prefix_caching,
+                self.horizon if self.horizon is not None else _ranking_default("horizon"),
+                self.handling_at_call if self.handling_at_call is not None else _ranking_default("handling_at_call"))
+
+    @property
+    def label(self) -> str:
+        """``handling, ranking (LAMPS' options), prefix cache`` for the tables."""
+        ic, rk, pc, horizon, at_call = self.config
+        if rk == "lamps":
+            rk = f"lamps ({horizon}{', at call' if at_call else ''})"
+        return f"{ic}, {rk}, {'on' if pc else 'off'}"
+
+    def ranking_options(self) -> Dict[str, Any]:
+        """The options given to ``make_ranking`` (the unset ones keep its defaults)."""
+        return {k: v for k, v in (("horizon", self.horizon), ("handling_at_call", self.handling_at_call))
+                if v is not None}
+
+
+def _ranking_default(option: str) -> Any:
+    from interlace.engine_ext.policies import make_ranking
+
+    return inspect.signature(make_ranking).parameters[option].default
 
 
 #: Interlace's default configuration (``engine.interception`` / ``engine.ranking``
 #: defaults: the paper defaults, with the engine's prefix cache on).
 INTERLACE_DEFAULT = Variant("infercept", "lamps", True, "Interlace's default configuration")
 
+#: The headline's baseline (vLLM today) and the historical row (the papers' vLLM).
+BASELINE, HISTORICAL = "vllm", "vllm-old"
+
 VARIANTS: Dict[str, Variant] = {
-    "vllm-old": Variant("vllm", "fcfs", False, "Discard+FCFS without prefix caching (vLLM of the papers' time)"),
-    "vllm": Variant("vllm", "fcfs", True, "Discard+FCFS with prefix caching (vLLM today)"),
+    "vllm": Variant("vllm", "fcfs", True, "Discard+FCFS with prefix caching (vLLM today): the baseline"),
+    "vllm-old": Variant("vllm", "fcfs", False, "Discard+FCFS without prefix caching (vLLM of the papers' time): "
+                                               "historical, never a headline"),
     "preserve": Variant("preserve", "fcfs", True, "Preserve every paused context"),
     "swap": Variant("swap", "fcfs", True, "Swap every paused context (budgeted)"),
     "infercept": Variant("infercept", "fcfs", True, "InferCept: min-waste handling, FCFS"),
-    "lamps": Variant("infercept", "lamps", True, "LAMPS ranking on InferCept's handling"),
+    "lamps": Variant("infercept", "lamps", True, "LAMPS ranking on InferCept's handling (the ranking's defaults)"),
+    "lamps-segment": Variant("infercept", "lamps", True, "LAMPS, the paper's segment horizon", horizon="segment"),
+    "lamps-job": Variant("infercept", "lamps", True, "LAMPS, job horizon (adds the later segments)", horizon="job"),
+    "lamps-at-call": Variant("infercept", "lamps", True, "LAMPS, its predicted handling applied at the call",
+                             handling_at_call=True),
     "interlace": INTERLACE_DEFAULT,
 }
 
@@ -130,6 +191,16 @@ def parse_variants(text: Optional[str]) -> List[str]:
     return names
 
 
+def parse_seeds(text: str) -> List[int]:
+    try:
+        seeds = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise BenchError(f"--seeds must name distinct integers, got {text!r}")
+    return seeds
+
+
 def load_base_trace(spec: str, n: Optional[int], seed: int):
     """A trace file, or a generator name (InferCept augments, mixed, toolbench)."""
     from interlace.engine_ext.sim import traces
@@ -146,11 +217,11 @@ def load_base_trace(spec: str, n: Optional[int], seed: int):
 
 
 def same_as(names: Sequence[str], variants: Dict[str, Variant]) -> Dict[str, str]:
-    """``{name: earlier name}`` for variants whose triple repeats an earlier one's."""
+    """``{name: earlier name}`` for variants whose configuration repeats an earlier one's."""
     seen: Dict[Tuple, str] = {}
     out = {}
     for n in names:
-        t = variants[n].triple
+        t = variants[n].config
         if t in seen:
             out[n] = seen[t]
         else:
@@ -163,7 +234,7 @@ def build_policies(v: Variant, profile, starvation_threshold: int = 100):
     from interlace.engine_ext.policies import ToolDurations, make_interception, make_ranking
 
     ic = make_interception(v.interception, profile, ToolDurations())
-    rk = make_ranking(v.ranking, profile, ic, starvation_threshold=starvation_threshold)
+    rk = make_ranking(v.ranking, profile, ic, starvation_threshold=starvation_threshold, **v.ranking_options())
     return ic, rk
 
 
@@ -182,8 +253,10 @@ def mean_norm_latency(records) -> Optional[float]:
     return sum(xs) / len(xs) if xs else None
 
 
-def run_sim_variant(trace, profile, v: Variant, *, oracle: bool = True, starvation_threshold: int = 100
+def run_sim_variant(trace, profile, v: Variant, *, oracle: bool = False, starvation_threshold: int = 100
                     ) -> Dict[str, Any]:
+    """One variant in the simulator; ``oracle``: the trace's true lengths and
+    call times (an upper bound), else learned online (the product's condition)."""
     from interlace.engine_ext.sim.simulator import simulate
 
     ic, rk = build_policies(v, profile, starvation_threshold)
@@ -224,8 +297,33 @@ def _supports(fn, name: str) -> bool:
         return False
 
 
+def segment_hint(hint_cls, req, segment: int, context_tokens: int, time_scale: float, predictor=None):
+    """The ``RequestHint`` for segment ``segment`` of trace request ``req``,
+    whose context then holds ``context_tokens``: with no ``predictor`` the
+    trace's true values (output, call time, the later segments as
+    ``SchedInfo.future`` holds them -- the oracle); else the shared
+    :class:`SegmentPredictor`'s prediction, as the gateway makes it (the tool
+    is not named before the model writes the call; tools are offered to
+    every request)."""
+    segs = req.segments
+    last = len(segs) - 1
+    if predictor is None:
+        s = segs[segment]
+        future = tuple((segs[j].completion_tokens, segs[j].api_time * time_scale if j < last else None,
+                        segs[j - 1].api_token_length + segs[j].prompt_tokens) for j in range(segment + 1, len(segs)))
+        return hint_cls(app=req.app or None, expected_output=s.completion_tokens,
+                        expected_tool=(req.app or "tool") if segment < last else None,
+                        expected_tool_s=s.api_time * time_scale if segment < last else None, future=future)
+    p = predictor.predict(req.app, context_tokens, segment)
+    return hint_cls(app=req.app or None, expected_output=p.expected_output, expected_tool=p.expected_tool,
+                    expected_tool_s=p.expected_tool_s, future=p.future)
+
+
 async def _drive_request(engine, req, t0: float, *, marker: Tuple[int, str], vocab: int, seed: int,
-                         time_scale: float, hint_cls, records: list, problems: list) -> None:
+                         time_scale: float, hint_cls, records: list, problems: list, predictor=None) -> None:
+    """One trace request on ``engine`` (module doc).  ``hint_cls``: the
+    engine's ``RequestHint`` (None: it takes none); ``predictor``: the run's
+    shared :class:`SegmentPredictor` (online hints), None for the oracle."""
     from interlace.engine_ext.constraints.forced import ForcedOutput
     from interlace.engine_ext.protocol import SamplingParams
     from interlace.engine_ext.sim.metrics import RequestRecord
@@ -247,12 +345,21 @@ async def _drive_request(engine, req, t0: float, *, marker: Tuple[int, str], voc
     await asyncio.sleep(max(0.0, t0 + req.arrival - time.monotonic()))
     arrival = time.monotonic()
     cid = f"trace-{req.id}"
+    context = seg_start = len(prompt)  # tokens in the context; where the current segment started
     kw = {}
     if hint_cls is not None:
-        s0 = segs[0]
-        kw["hint"] = hint_cls(app=req.app or None, expected_output=s0.completion_tokens,
-                              expected_tool=(req.app or "tool") if len(segs) > 1 else None,
-                              expected_tool_s=s0.api_time * time_scale if len(segs) > 1 else None)
+        kw["hint"] = segment_hint(hint_cls, req, 0, context, time_scale, predictor)
+    resume_hint = hint_cls is not None and _supports(engine.resume, "hint")
+    # the tool each pause waits for, named as the gateway names it (the engine learns a time per tool,
+    # as the simulator does per application); the oracle also gives the call's true time
+    tool = req.app or "tool"
+    pause_hint = getattr(engine, "set_pause_hint", None) if len(segs) > 1 else None
+
+    def name_the_call(i: int) -> None:
+        if pause_hint is not None and i < len(segs) - 1:
+            from interlace.engine_ext.protocol import PauseHint
+            pause_hint(cid, PauseHint(tool=tool, expected_duration_s=None if predictor is not None
+                                      else segs[i].api_time * time_scale))
     first = None
     tool_s = 0.0
     out = 0
@@ -273,11 +380,15 @@ async def _drive_request(engine, req, t0: float, *, marker: Tuple[int, str], voc
                 seg_out += 1
                 if first is None:
                     first = now
+                    name_the_call(0)  # the generation exists now (a one-token first segment pauses unnamed)
             if ev.paused:
                 s = segs[seg]
                 if seg_out != s.completion_tokens:
                     problems.append(f"request {req.id} segment {seg}: paused after {seg_out} tokens, "
                                     f"expected {s.completion_tokens}")
+                if predictor is not None:
+                    predictor.observe_segment(req.app, seg_start, seg_out)
+                context += seg_out
                 wait = s.api_time * time_scale
                 t_call = now
                 await asyncio.sleep(wait)
@@ -286,8 +397,19 @@ async def _drive_request(engine, req, t0: float, *, marker: Tuple[int, str], voc
                 nxt = segs[seg]
                 tokens = _random_ids(rng, s.api_token_length + nxt.prompt_tokens, vocab)
                 forced.on_resume()
-                tool_s += time.monotonic() - t_call
-                await engine.resume(cid, tokens)
+                waited = time.monotonic() - t_call
+                tool_s += waited
+                if predictor is not None:
+                    # per-tool times are the engine's to learn (it times its pauses): the app's figures only
+                    predictor.observe_call(req.app, tool, waited, len(tokens), tool_durations=False)
+                context += len(tokens)
+                seg_start = context
+                if resume_hint:
+                    await engine.resume(cid, tokens, hint=segment_hint(hint_cls, req, seg, context, time_scale,
+                                                                       predictor))
+                else:
+                    await engine.resume(cid, tokens)
+                name_the_call(seg)
             if ev.finish_reason is not None:
                 break
         finish = time.monotonic()
@@ -295,6 +417,9 @@ async def _drive_request(engine, req, t0: float, *, marker: Tuple[int, str], voc
         if seg != len(segs) - 1 or seg_out != segs[-1].completion_tokens:
             problems.append(f"request {req.id}: ended in segment {seg} after {seg_out} tokens "
                             f"(expected segment {len(segs) - 1}, {segs[-1].completion_tokens} tokens)")
+        if predictor is not None:
+            predictor.observe_segment(req.app, seg_start, seg_out)
+            predictor.observe_finish(req.app, seg + 1)
         records.append(RequestRecord(req.id, arrival - t0, (first if first is not None else finish) - t0,
                                      finish - t0, tool_s, out))
     finally:
@@ -379,11 +504,14 @@ def measure_native_profile(model, tokenizer, kv_cache_tokens: int, max_batched_t
 
 def run_native_variant(model, tokenizer, trace, v: Variant, profile, *, kv_cache_tokens: int,
                        max_batched_tokens: int, time_scale: float, seed: int,
-                       host_pool_tokens: Optional[int] = None) -> Dict[str, Any]:
+                       host_pool_tokens: Optional[int] = None, oracle: bool = False) -> Dict[str, Any]:
     """One variant on a fresh engine (shared weights) over ``trace``
-    (arrivals already set, call times already in the trace's seconds)."""
+    (arrivals already set, call times already in the trace's seconds).
+    ``oracle``: hints carry the trace's true values; else one
+    :class:`SegmentPredictor` for the run learns them as the gateway does."""
     from interlace.engine_ext import protocol
     from interlace.engine_ext.native.engine import NativeEngine
+    from interlace.engine_ext.policies.hints import SegmentPredictor
     from interlace.engine_ext.sim.metrics import summarize
 
     kw, notes = native_engine_kwargs(NativeEngine, v, profile, kv_cache_tokens, max_batched_tokens,
@@ -393,7 +521,12 @@ def run_native_variant(model, tokenizer, trace, v: Variant, profile, *, kv_cache
     if hint_cls is not None and not _supports(eng.generate, "hint"):
         hint_cls = None
     if hint_cls is None:
-        notes.append("engine takes no RequestHint: no oracle lengths")
+        notes.append("engine takes no RequestHint: no hints")
+    elif not _supports(eng.resume, "hint"):
+        notes.append("engine's resume takes no hint: every segment keeps the first segment's")
+    # online, as the gateway: the engine's own learned tool times (it times each pause), the app's figures here
+    predictor = None if oracle or hint_cls is None else SegmentPredictor(
+        durations=getattr(kw["interception"], "durations", None))
     marker = pause_marker(tokenizer, eng.eos_token_ids)
     records: list = []
     problems: list = []
@@ -403,7 +536,7 @@ def run_native_variant(model, tokenizer, trace, v: Variant, profile, *, kv_cache
         t0 = time.monotonic() + 0.05
         await asyncio.gather(*(_drive_request(eng, r, t0, marker=marker, vocab=eng.vocab_size, seed=seed,
                                               time_scale=time_scale, hint_cls=hint_cls, records=records,
-                                              problems=problems) for r in trace.requests))
+                                              problems=problems, predictor=predictor) for r in trace.requests))
         wall = time.monotonic() - t0
         inv = await eng.check_invariants()
         return wall, inv
@@ -420,8 +553,13 @@ def run_native_variant(model, tokenizer, trace, v: Variant, profile, *, kv_cache
     if waste_tok_s is None:
         notes.append("engine reports no kv_waste_token_s")
     extra = {"notes": notes, "norm_latency_mean": mean_norm_latency(records),
-             "non_tool_mean": mean_non_tool(records), "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, dict))},
-             "leaked_blocks": inv.get("used_blocks")}
+             "non_tool_mean": mean_non_tool(records),
+             "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, dict))},
+             "leaked_blocks": inv.get("used_blocks"),
+             # the mechanism counters under the simulator's names (the ablation's columns)
+             "handling": dict(stats.get("handlings", {})), "recomputed_tokens": stats.get("recomputed_tokens"),
+             "preemptions": inv.get("preemptions"), "swap_out_blocks": stats.get("swap_out_blocks"),
+             "swap_in_blocks": stats.get("swap_in_blocks")}
     return summarize(records, wall, waste, extra)
 
 
@@ -432,18 +570,67 @@ def fmt(x: Any, digits: int) -> str:
     return f"{x:.{digits}f}"
 
 
+def median_over_seeds(runs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One variant's metrics over seeds: each number the median of the
+    seeds' values (None where no seed has one), nested dicts (handling
+    counts, engine stats) likewise, notes merged; ``spread`` maps each
+    top-level number to its (min, max) and ``seeds`` counts the runs."""
+    if not runs:
+        raise ValueError("no runs to summarise")
+
+    def num(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+    def merge(ds: Sequence[Dict[str, Any]], spread: Optional[Dict[str, Tuple[float, float]]]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for k in dict.fromkeys(k for d in ds for k in d):
+            vals = [d.get(k) for d in ds]
+            nums = [v for v in vals if num(v)]
+            if nums:
+                out[k] = statistics.median(nums)
+                if spread is not None:
+                    spread[k] = (min(nums), max(nums))
+            elif all(isinstance(v, dict) for v in vals if v is not None) and any(vals):
+                out[k] = merge([v for v in vals if v is not None], None)
+            elif all(isinstance(v, list) for v in vals if v is not None) and any(vals):
+                out[k] = list(dict.fromkeys(x for v in vals if v for x in v))
+            else:
+                out[k] = next((v for v in vals if v is not None), vals[0])
+        return out
+    spread: Dict[str, Tuple[float, float]] = {}
+    out = merge(runs, spread)
+    out["spread"], out["seeds"] = spread, len(runs)
+    return out
+
+
+def cell(m: Dict[str, Any], key: str, digits: int) -> str:
+    """A table cell: the value (a median over seeds), with its min-max beside it over several seeds."""
+    sp = m.get("spread", {}).get(key)
+    if m.get("seeds", 1) > 1 and sp is not None:
+        return f"{fmt(m.get(key), digits)} ({fmt(sp[0], digits)}-{fmt(sp[1], digits)})"
+    return fmt(m.get(key), digits)
+
+
 def print_table(rate: float, names: Sequence[str], results: Dict[str, Dict[str, Any]], variants: Dict[str, Variant],
-                dupes: Dict[str, str], out=sys.stdout) -> None:
-    print(f"\nrate {rate:g} req/s", file=out)
+                dupes: Dict[str, str], out=sys.stdout, upper: Optional[Dict[str, Dict[str, Any]]] = None,
+                mode: Optional[str] = None) -> None:
+    """One rate's table; ``upper``: the oracle runs, printed below as an
+    upper bound; ``mode`` ("online" / "oracle") names what the main rows used."""
+    seeds = next(iter(results.values())).get("seeds", 1) if results else 1
+    what = [{"online": "online predictions", "oracle": "oracle lengths and call times (an upper bound)"}[mode]
+            ] if mode else []
+    what += [f"median over {seeds} seeds (min-max)"] if seeds > 1 else []
+    print(f"\nrate {rate:g} req/s" + (f" ({'; '.join(what)})" if what else ""), file=out)
     print("| variant | handling, ranking, prefix cache | " + " | ".join(c for c, _, _ in METRIC_COLUMNS)
           + " | completed |", file=out)
     print("|" + "---|" * (len(METRIC_COLUMNS) + 3), file=out)
-    for n in names:
-        v, m = variants[n], results[n]
-        label = n + (f" (= {dupes[n]})" if n in dupes else "")
-        cfg = f"{v.interception}, {v.ranking}, {'on' if v.prefix_caching else 'off'}"
-        print(f"| {label} | {cfg} | " + " | ".join(fmt(m.get(k), d) for _, k, d in METRIC_COLUMNS)
-              + f" | {m.get('completed')} |", file=out)
+    rows = [(n, results[n], "") for n in names]
+    if upper is not None:
+        rows += [(n, upper[n], " [oracle: upper bound]") for n in names]
+    for n, m, tag in rows:
+        label = n + (f" (= {dupes[n]})" if n in dupes else "") + tag
+        print(f"| {label} | {variants[n].label} | " + " | ".join(cell(m, k, d) for _, k, d in METRIC_COLUMNS)
+              + f" | {cell(m, 'completed', 0)} |", file=out)
 
 
 def sustainable_rate(rates: Sequence[float], lat: Sequence[Optional[float]], slo: float) -> Optional[float]:
@@ -461,31 +648,92 @@ def sustainable_rate(rates: Sequence[float], lat: Sequence[Optional[float]], slo
     return best
 
 
-def summary_lines(rates: Sequence[float], grid: Dict[float, Dict[str, Dict[str, Any]]], names: Sequence[str],
-                  slos: Optional[Sequence[float]] = None) -> List[str]:
-    """The issue's two comparisons, where the variants they name were run."""
-    lines = []
-    if "interlace" in names and "vllm-old" in names:
-        base = min(grid[min(rates)][n]["norm_latency_p50"] or math.inf for n in names)
-        slos = list(slos) if slos else [round(k * base, 4) for k in (2, 4, 10)]
-        for slo in slos:
-            a = sustainable_rate(rates, [grid[r]["interlace"]["norm_latency_p50"] for r in rates], slo)
-            b = sustainable_rate(rates, [grid[r]["vllm-old"]["norm_latency_p50"] for r in rates], slo)
-            top = a == max(rates)
-            ratio = f"{a / b:.2f}x" + (" (at least: interlace meets it at the top rate)" if top else "") \
-                if a and b else "n/a"
-            lines.append(f"p50 normalized latency <= {slo:g} s/token: interlace sustains {fmt(a, 3)} req/s, "
-                         f"vllm-old {fmt(b, 3)} req/s: {ratio}")
+def over_seeds(xs: Sequence[Optional[float]], digits: int, unit: str = "") -> str:
+    """The median of per-seed values with their min-max beside it (and how
+    many seeds had a value, when some had none); one seed: the value."""
+    vals = [x for x in xs if x is not None]
+    if not vals:
+        return "n/a"
+    text = f"{statistics.median(vals):.{digits}f}{unit}"
+    if len(xs) > 1:
+        some = f", {len(vals)} of {len(xs)} seeds" if len(vals) < len(xs) else ""
+        text += f" ({min(vals):.{digits}f}{unit} to {max(vals):.{digits}f}{unit}{some})"
+    return text
+
+
+def _median(xs: Sequence[Optional[float]]) -> Optional[float]:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+#: how the summary names the two vLLM rows
+_BASELINE_LABEL = {BASELINE: "vllm (prefix cache: today's vLLM)",
+                   HISTORICAL: "vllm-old (no prefix cache: the papers' vLLM)"}
+
+
+def summary_lines(rates: Sequence[float], grids: Sequence[Dict[float, Dict[str, Dict[str, Any]]]],
+                  names: Sequence[str], slos: Optional[Sequence[float]] = None, label: str = "") -> List[str]:
+    """The issue's comparisons, where the variants they name were run, from
+    one grid (``{rate: {variant: metrics}}``) per seed.  Each figure is
+    computed per seed (a ratio pairs two variants on the same seed's trace)
+    and given as the median over seeds with the min-max beside it.
+
+    * sustainable rate at equal p50 normalized latency (default: 2x, 4x and
+      10x the lowest median p50 at the lowest rate): interlace against
+      ``vllm`` (the headline; target >= 2x at 2x and 4x), and against
+      ``vllm-old`` on a line marked historical;
+    * per rate, mean e2e of lamps against infercept+fcfs and their p99 e2e
+      ratio (target: mean >= 20% lower with p99 <= 1.5x).
+    ``label`` prefixes every line (the oracle's upper bound)."""
+    lines: List[str] = []
+    bases = [b for b in (BASELINE, HISTORICAL) if b in names]
+    if "interlace" in names and bases:
+        low = min(rates)
+        lowest = [_median([g[low][n]["norm_latency_p50"] for g in grids]) for n in names]
+        base = min((x for x in lowest if x is not None), default=None)
+        if slos:
+            targets = [(slo, None) for slo in slos]
+        elif base is not None:
+            targets = [(round(k * base, 4), k) for k in (2, 4, 10)]
+        else:
+            targets = []
+        for slo, k in targets:
+            a = [sustainable_rate(rates, [g[r]["interlace"]["norm_latency_p50"] for r in rates], slo) for g in grids]
+            top = " (at least: interlace meets it at the top rate)" if any(x == max(rates) for x in a) else ""
+            mult = f" ({k}x the lowest p50)" if k else ""
+            for b_name in bases:
+                b = [sustainable_rate(rates, [g[r][b_name]["norm_latency_p50"] for r in rates], slo) for g in grids]
+                ratios = [x / y if x and y else None for x, y in zip(a, b)]
+                line = (f"p50 normalized latency <= {slo:g} s/token{mult}: interlace sustains "
+                        f"{over_seeds(a, 3)} req/s, {_BASELINE_LABEL[b_name]} {over_seeds(b, 3)} req/s: "
+                        f"{over_seeds(ratios, 2, 'x')}{top}")
+                if b_name == HISTORICAL:
+                    line = "historical, not the headline: " + line
+                elif k in (2, 4):
+                    r = _median(ratios)
+                    line += "; target >= 2x: " + ("met" if r is not None and r >= 2 else
+                                                  "not shown (sweep higher rates)" if top else "missed")
+                lines.append(label + line)
     if "lamps" in names and "infercept" in names:
         for r in rates:
-            a, b = grid[r]["lamps"]["e2e_mean"], grid[r]["infercept"]["e2e_mean"]
-            if a is not None and b:
-                line = (f"rate {r:g}: mean e2e lamps {a:.2f} s vs infercept+fcfs {b:.2f} s: "
-                        f"{100 * (1 - a / b):.1f}% lower")
-                c, d = grid[r]["lamps"].get("non_tool_mean"), grid[r]["infercept"].get("non_tool_mean")
-                if c is not None and d:
-                    line += f"; without tool time {c:.2f} s vs {d:.2f} s: {100 * (1 - c / d):.1f}% lower"
-                lines.append(line)
+            a = [g[r]["lamps"]["e2e_mean"] for g in grids]
+            b = [g[r]["infercept"]["e2e_mean"] for g in grids]
+            cut = [100 * (1 - x / y) if x is not None and y else None for x, y in zip(a, b)]
+            p99 = [x / y if x is not None and y else None
+                   for x, y in ((g[r]["lamps"]["e2e_p99"], g[r]["infercept"]["e2e_p99"]) for g in grids)]
+            if _median(cut) is None:
+                continue
+            line = (f"{label}rate {r:g}: mean e2e lamps {over_seeds(a, 2, ' s')} vs infercept+fcfs "
+                    f"{over_seeds(b, 2, ' s')}: {over_seeds(cut, 1, '%')} lower; p99 e2e "
+                    f"{over_seeds(p99, 2, 'x')} infercept's")
+            c = [g[r]["lamps"].get("non_tool_mean") for g in grids]
+            d = [g[r]["infercept"].get("non_tool_mean") for g in grids]
+            cut2 = [100 * (1 - x / y) if x is not None and y else None for x, y in zip(c, d)]
+            if _median(cut2) is not None:
+                line += (f"; without tool time {over_seeds(c, 2, ' s')} vs {over_seeds(d, 2, ' s')}: "
+                         f"{over_seeds(cut2, 1, '%')} lower")
+            met = round(_median(cut), 9) >= 20 and round(_median(p99) or math.inf, 9) <= 1.5  # not float noise
+            lines.append(line + f"; target (>= 20% lower, p99 <= 1.5x): {'met' if met else 'missed'}")
     return lines
 
 
@@ -586,12 +834,17 @@ def add_trace_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--duration", type=float, help="generators: rate x DURATION requests per rate (arrivals "
                                                    "over about DURATION seconds: a steady state, not a burst)")
     ap.add_argument("--jobs", type=int, default=1, help="simulator: runs in parallel processes")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the trace's and arrivals' seed (one run per rate)")
+    ap.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2: every (rate, variant) per seed; tables and "
+                                    "comparisons give the median over seeds with the min-max (overrides --seed)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiply every call time by this")
     ap.add_argument("--max-context", type=int, help="scale each request's tokens down to this peak context")
     ap.add_argument("--max-calls", type=int, help="keep at most this many calls per request")
-    ap.add_argument("--no-oracle", action="store_true", help="simulator: learn lengths and call times online "
-                                                             "instead of reading the trace's")
+    oracle = ap.add_mutually_exclusive_group()
+    oracle.add_argument("--oracle", action="store_true", help="give the policies the trace's true lengths, call "
+                        "times and later segments (an upper bound; default: predicted online, as the product does)")
+    oracle.add_argument("--oracle-too", action="store_true", help="run online and with the oracle, and print the "
+                        "oracle rows beside the online ones as an upper bound (the headline stays online)")
     ap.add_argument("--starvation-threshold", type=int, default=100)
     ap.add_argument("--slo", help="comma-separated p50 normalized latencies (s/token) for the sustainable-rate "
                                   "comparison (default: 2x, 4x, 10x the lowest p50 at the lowest rate)")
@@ -641,39 +894,54 @@ def _run(args: argparse.Namespace) -> int:
         raise BenchError(f"--time-scale must be >= 0, got {args.time_scale!r}")
     if args.num_requests is not None and args.num_requests < 1:
         raise BenchError(f"--num-requests must be positive, got {args.num_requests!r}")
-    slos = parse_rates(args.slo) if args.slo else None
-    try:
-        base = load_base_trace(args.trace, args.num_requests, args.seed)
-    except traces.TraceError as e:
-        raise BenchError(str(e)) from e
-    if args.max_context or args.max_calls or args.time_scale != 1.0:
-        base = traces.scale_trace(base, max_context=args.max_context, max_calls=args.max_calls,
-                                  time_scale=args.time_scale)
     if args.duration is not None:
         if not (math.isfinite(args.duration) and args.duration > 0):
             raise BenchError(f"--duration must be a positive number of seconds, got {args.duration!r}")
         if Path(args.trace).is_file() or args.num_requests is not None:
             raise BenchError("--duration needs a generator --trace and no --num-requests")
-        base = load_base_trace(args.trace, max(1, math.ceil(max(rates) * args.duration)), args.seed)
+    slos = parse_rates(args.slo) if args.slo else None
+    seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
+    modes = ["oracle"] if args.oracle else ["online", "oracle"] if args.oracle_too else ["online"]
+    head = modes[0]  # the headline's condition; the oracle beside it is an upper bound
+
+    def base_trace(seed: int):
+        try:
+            n = max(1, math.ceil(max(rates) * args.duration)) if args.duration is not None else args.num_requests
+            base = load_base_trace(args.trace, n, seed)
+        except traces.TraceError as e:
+            raise BenchError(str(e)) from e
         if args.max_context or args.max_calls or args.time_scale != 1.0:
             base = traces.scale_trace(base, max_context=args.max_context, max_calls=args.max_calls,
                                       time_scale=args.time_scale)
+        return base
 
     def per_rate(tr, rate: float):
         if args.duration is None:
             return tr
         return traces.Trace(tr.requests[:max(1, math.ceil(rate * args.duration))])
-    dupes = same_as(names, variants)
+    bases = {seed: base_trace(seed) for seed in seeds}
     if getattr(args, "engines", None):  # the same trace on different engines and replicas (bench/engines_trace.py)
         from .engines_trace import run_engines
 
-        return run_engines(args, base, rates, per_rate)
+        if len(seeds) > 1:
+            raise BenchError("--engines runs one seed: give --seed, not several --seeds")
+        args.seed = seeds[0]
+        return run_engines(args, bases[seeds[0]], rates, per_rate)
+    arrivals = {seed: {r: traces.with_poisson_arrivals(per_rate(bases[seed], r), r, seed) for r in rates}
+                for seed in seeds}
+    dupes = same_as(names, variants)
     to_json = args.json == "-"
     out = sys.stderr if to_json else sys.stdout
-    grid: Dict[float, Dict[str, Dict[str, Any]]] = {}
-
-    n_desc = (f"{len(base)} requests" if args.duration is None
-              else f"rate x {args.duration:g} s requests, up to {len(base)}")
+    # runs[mode][seed][rate][variant]: each seed's metrics
+    runs: Dict[str, Dict[int, Dict[float, Dict[str, Dict[str, Any]]]]] = {
+        m: {seed: {r: {} for r in rates} for seed in seeds} for m in modes}
+    sim_runs: Dict[str, Dict[int, Dict[float, Dict[str, Dict[str, Any]]]]] = {}
+    n0 = len(bases[seeds[0]])
+    n_desc = (f"{n0} requests" if args.duration is None
+              else f"rate x {args.duration:g} s requests, up to {n0}")
+    seed_desc = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {','.join(map(str, seeds))}"
+    pred_desc = {"online": "predictions online", "oracle": "oracle predictions (an upper bound)"}[head] + (
+        ", oracle beside them" if len(modes) > 1 else "")
     if args.sim:
         from interlace.engine_ext.policies import Profile, ProfileError
         try:
@@ -682,24 +950,23 @@ def _run(args: argparse.Namespace) -> int:
             raise BenchError(f"--sim: {e}") from e
         mach = machine_description()
         header = (f"simulator, profile {profile.model} on {profile.device} ({profile.source}); trace {args.trace} "
-                  f"({n_desc}, seed {args.seed}, time scale {args.time_scale:g})")
-        jobs = [(r, n) for r in rates for n in names if n not in dupes]
-        trs = {r: traces.with_poisson_arrivals(per_rate(base, r), r, args.seed) for r in rates}
-        kw = dict(oracle=not args.no_oracle, starvation_threshold=args.starvation_threshold)
-        done: Dict[Tuple[float, str], Dict[str, Any]] = {}
+                  f"({n_desc}, {seed_desc}, time scale {args.time_scale:g}); {pred_desc}")
+        jobs = [(m, seed, r, n) for m in modes for seed in seeds for r in rates for n in names if n not in dupes]
+
+        def kw(mode: str) -> Dict[str, Any]:
+            return dict(oracle=mode == "oracle", starvation_threshold=args.starvation_threshold)
         if args.jobs > 1:
             from concurrent.futures import ProcessPoolExecutor
             with ProcessPoolExecutor(args.jobs) as ex:
-                futs = {ex.submit(run_sim_variant, trs[r], profile, variants[n], **kw): (r, n) for r, n in jobs}
-                for f, key in futs.items():
-                    done[key] = f.result()
-                    _progress(key, done[key])
+                futs = {ex.submit(run_sim_variant, arrivals[seed][r], profile, variants[n], **kw(m)): (m, seed, r, n)
+                        for m, seed, r, n in jobs}
+                for f, (m, seed, r, n) in futs.items():
+                    runs[m][seed][r][n] = f.result()
+                    _progress((m, seed, r, n), runs[m][seed][r][n])
         else:
-            for r, n in jobs:
-                done[(r, n)] = run_sim_variant(trs[r], profile, variants[n], **kw)
-                _progress((r, n), done[(r, n)])
-        for r in rates:
-            grid[r] = {n: done[(r, dupes.get(n, n))] for n in names}
+            for m, seed, r, n in jobs:
+                runs[m][seed][r][n] = run_sim_variant(arrivals[seed][r], profile, variants[n], **kw(m))
+                _progress((m, seed, r, n), runs[m][seed][r][n])
     else:
         import torch
 
@@ -725,55 +992,81 @@ def _run(args: argparse.Namespace) -> int:
         mach["torch_threads"] = torch.get_num_threads()
         header = (f"native engine, {mname} ({args.dtype}), KV cache {args.kv_cache_tokens} tokens, "
                   f"{args.max_batched_tokens} tokens/step; policies' profile: {profile.source}; trace {args.trace} "
-                  f"({n_desc}, seed {args.seed}, max context {args.max_context}, max calls "
-                  f"{args.max_calls}, call times x{args.time_scale:g})")
-        sim_grid: Dict[float, Dict[str, Dict[str, Any]]] = {}
-        for r in rates:
-            tr = traces.with_poisson_arrivals(per_rate(base, r), r, args.seed)
-            if args.with_sim:
-                sim_grid[r] = {n: run_sim_variant(tr, profile, variants[n]) for n in names if n not in dupes}
-            grid[r] = {}
-            for n in names:
-                if n in dupes:
-                    grid[r][n] = grid[r][dupes[n]]
-                    continue
-                t = time.perf_counter()
-                grid[r][n] = run_native_variant(model, tok, tr, variants[n], profile,
-                                                kv_cache_tokens=args.kv_cache_tokens,
-                                                max_batched_tokens=args.max_batched_tokens,
-                                                time_scale=1.0, seed=args.seed,
-                                                host_pool_tokens=args.host_pool_tokens)
-                print(f"  rate {r:g} {n}: p50 {fmt(grid[r][n]['norm_latency_p50'], 4)} s/token "
-                      f"({time.perf_counter() - t:.1f} s)", file=sys.stderr)
+                  f"({n_desc}, {seed_desc}, max context {args.max_context}, max calls "
+                  f"{args.max_calls}, call times x{args.time_scale:g}); {pred_desc}")
+        if args.with_sim:
+            sim_runs = {m: {seed: {r: {} for r in rates} for seed in seeds} for m in modes}
+        for m in modes:
+            for seed in seeds:
+                for r in rates:
+                    tr = arrivals[seed][r]
+                    for n in names:
+                        if n in dupes:
+                            continue
+                        if args.with_sim:
+                            sim_runs[m][seed][r][n] = run_sim_variant(tr, profile, variants[n], oracle=m == "oracle")
+                        t = time.perf_counter()
+                        runs[m][seed][r][n] = run_native_variant(
+                            model, tok, tr, variants[n], profile, kv_cache_tokens=args.kv_cache_tokens,
+                            max_batched_tokens=args.max_batched_tokens, time_scale=1.0, seed=seed,
+                            host_pool_tokens=args.host_pool_tokens, oracle=m == "oracle")
+                        runs[m][seed][r][n]["run_s"] = time.perf_counter() - t
+                        _progress((m, seed, r, n), runs[m][seed][r][n])
+    for grids in [runs] + ([sim_runs] if sim_runs else []):
+        for m in grids:
+            for seed in seeds:
+                for r in rates:
+                    for n in names:
+                        if n in dupes:
+                            grids[m][seed][r][n] = grids[m][seed][r][dupes[n]]
+    # medians over seeds: med[mode][rate][variant]
+    med = {m: {r: {n: median_over_seeds([runs[m][seed][r][n] for seed in seeds]) for n in names} for r in rates}
+           for m in modes}
+    upper = med.get("oracle") if head != "oracle" else None
 
     print(f"\n{header}\nmachine: {describe_machine(mach)}", file=out)
     if args.ablation:
         for r in rates:
-            print_ablation(r, names, grid[r], out)
+            for m in modes:
+                print_ablation(r, names, med[m][r], out, mode=m)
     else:
         for r in rates:
-            print_table(r, names, grid[r], variants, dupes, out)
-        lines = summary_lines(rates, grid, names, slos)
+            print_table(r, names, med[head][r], variants, dupes, out, upper=upper[r] if upper else None, mode=head)
+        lines = summary_lines(rates, [runs[head][seed] for seed in seeds], names, slos,
+                              label="" if head == "online" else "oracle (an upper bound): ")
+        if upper is not None:
+            lines += summary_lines(rates, [runs["oracle"][seed] for seed in seeds], names, slos,
+                                   label="upper bound (oracle): ")
         if lines:
             print("", file=out)
             for ln in lines:
                 print(ln, file=out)
-    if not args.sim and args.with_sim:
-        for ln in order_lines(rates, grid, sim_grid):
+    if sim_runs:
+        sim_med = {r: {n: median_over_seeds([sim_runs[head][seed][r][n] for seed in seeds]) for n in names}
+                   for r in rates}
+        for ln in order_lines(rates, med[head], sim_med):
             print(ln, file=out)
-    notes = sorted({n for r in rates for v in grid[r].values() for n in v.get("notes", [])})
+    notes = sorted({n for m in modes for r in rates for v in med[m][r].values() for n in v.get("notes", [])})
     for n in notes:
         print(f"note: {n}", file=out)
     if args.out_png:
         if args.ablation:
-            plot_ablation(names, grid[rates[0]], f"{header}; rate {rates[0]:g} req/s", args.out_png)
+            plot_ablation(names, med[head][rates[0]], f"{header}; rate {rates[0]:g} req/s", args.out_png)
         else:
-            plot_rates(rates, grid, names, header, args.out_png, dupes)
+            plot_rates(rates, med[head], names, header, args.out_png, dupes)
         print(f"plot saved to {args.out_png}", file=out)
-    result = {"header": header, "machine": mach, "rates": rates, "variants": {n: variants[n].__dict__ for n in names},
-              "same_as": dupes, "results": {str(r): grid[r] for r in rates}}
-    if not args.sim and args.with_sim:
-        result["simulated"] = {str(r): sim_grid[r] for r in rates}
+    result = {"header": header, "machine": mach, "rates": rates, "seeds": seeds, "predictions": head,
+              "variants": {n: {**variants[n].__dict__, "config": variants[n].config} for n in names},
+              "same_as": dupes,
+              # the medians over seeds (each with its "spread"); the oracle's as "upper_bound"
+              "results": {str(r): med[head][r] for r in rates},
+              "per_seed": {m: {str(seed): {str(r): runs[m][seed][r] for r in rates} for seed in seeds}
+                           for m in modes}}
+    if upper is not None:
+        result["upper_bound"] = {str(r): upper[r] for r in rates}
+    if sim_runs:
+        result["simulated"] = {m: {str(seed): {str(r): sim_runs[m][seed][r] for r in rates} for seed in seeds}
+                               for m in sim_runs}
     if args.json and not to_json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
     elif to_json:
@@ -782,22 +1075,36 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _progress(key, m) -> None:
-    print(f"  rate {key[0]:g} {key[1]}: p50 {fmt(m['norm_latency_p50'], 4)} s/token ({m['run_s']:.1f} s)",
-          file=sys.stderr)
+    mode, seed, rate, name = key
+    print(f"  {mode}, seed {seed}, rate {rate:g} {name}: p50 {fmt(m['norm_latency_p50'], 4)} s/token "
+          f"({m['run_s']:.1f} s)", file=sys.stderr)
 
 
-def print_ablation(rate: float, steps: Sequence[str], res: Dict[str, Dict[str, Any]], out=sys.stdout) -> None:
-    print(f"\nablation at {rate:g} req/s (InferCept Figure 3; each step adds one technique)", file=out)
-    print("| step | handling, ranking, prefix cache | norm p50 | change | e2e mean s | KV waste GB*s |", file=out)
-    print("|---|---|---|---|---|---|", file=out)
+def print_ablation(rate: float, steps: Sequence[str], res: Dict[str, Dict[str, Any]], out=sys.stdout,
+                   mode: str = "online") -> None:
+    """InferCept Figure 3 as a table, with the counters that explain each
+    step: the handlings chosen at calls (preserve / discard / swap), the
+    tokens recomputed, the preemptions, and the blocks swapped out / in
+    (medians over seeds, like every column)."""
+    seeds = next(iter(res.values())).get("seeds", 1) if res else 1
+    what = {"online": "online predictions", "oracle": "oracle lengths and call times: an upper bound"}.get(mode, mode)
+    print(f"\nablation at {rate:g} req/s (InferCept Figure 3; each step adds one technique; {what}"
+          + (f"; median over {seeds} seeds (min-max)" if seeds > 1 else "") + ")", file=out)
+    print("| step | handling, ranking, prefix cache | norm p50 | change | e2e mean s | KV waste GB*s | "
+          "preserve / discard / swap | recomputed tokens | preemptions | swap blocks out / in |", file=out)
+    print("|---|---|---|---|---|---|---|---|---|---|", file=out)
     prev = None
     for s in steps:
         m = res[s]
         v = ABLATION[[n for n, _ in ABLATION].index(s)][1]
         p50 = m.get("norm_latency_p50")
         ch = f"{100 * (p50 / prev - 1):+.1f}%" if prev and p50 is not None else "-"
-        print(f"| {s} | {v.interception}, {v.ranking}, {'on' if v.prefix_caching else 'off'} | {fmt(p50, 4)} | "
-              f"{ch} | {fmt(m.get('e2e_mean'), 2)} | {fmt(m.get('kv_waste_gb_s'), 3)} |", file=out)
+        h = m.get("handling") or {}
+        handled = " / ".join(fmt(h.get(k), 0) for k in ("preserve", "discard", "swap"))
+        print(f"| {s} | {v.label} | {cell(m, 'norm_latency_p50', 4)} | {ch} | {cell(m, 'e2e_mean', 2)} | "
+              f"{cell(m, 'kv_waste_gb_s', 3)} | {handled} | {cell(m, 'recomputed_tokens', 0)} | "
+              f"{cell(m, 'preemptions', 0)} | {fmt(m.get('swap_out_blocks'), 0)} / {fmt(m.get('swap_in_blocks'), 0)} |",
+              file=out)
         prev = p50
 
 
