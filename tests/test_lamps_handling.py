@@ -196,3 +196,20 @@ def test_rankings_see_the_running_requests_kv():
     sim = Simulator(tr, prof, pol, Spy(prof, pol))
     sim.run()
     assert None not in seen and max(seen) > 0 and max(seen) <= prof.kv_capacity_tokens
+
+
+def test_the_job_horizon_counts_downstream_calls_without_a_tool_call():
+    """A Semantic Variables call ends without a tool call, but the calls that
+    wait for its output are known (the DAG): under the job horizon a call
+    heading a long chain ranks behind a standalone one of the same size;
+    the segment horizon (the paper's) sees them as equal."""
+    prof = small_profile()
+
+    def pair():
+        return (Req("head", 0.0, SchedInfo(context_len=100, expected_output=10,
+                                           future=((50, None, 30), (50, None, 30)))),
+                Req("alone", 1.0, SchedInfo(context_len=100, expected_output=10)))
+    job = LAMPS(prof, MinWaste(prof), horizon="job")
+    assert [r.name for r in job.order(pair(), RankState(iteration_s=0.02))] == ["alone", "head"]
+    seg = LAMPS(prof, MinWaste(prof), horizon="segment")
+    assert [r.name for r in seg.order(pair(), RankState(iteration_s=0.02))] == ["head", "alone"]

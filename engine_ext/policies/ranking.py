@@ -228,10 +228,11 @@ class LAMPS(RankingPolicy):
         s = item.sched
         c0, o = s.context_len, s.remaining_output
         area = o * c0 + o * (o + 1) / 2  # the context after each of the o iterations
-        if s.expected_tool_s is None:
-            return area
         c_call = c0 + o
-        area += self._call_waste(item, c_call, s.expected_tool_s, state)
+        if s.expected_tool_s is not None:
+            area += self._call_waste(item, c_call, s.expected_tool_s, state)
+        # later segments count with or without a call ending this one: a Semantic Variables call's
+        # downstream calls (gateway/semantic/dag.py) follow its end, not a tool call
         if self.horizon == "job" and s.future:
             if s.future_score is None:
                 s.future_score = self._future_score(item, c_call, state)
