@@ -213,3 +213,16 @@ def test_the_job_horizon_counts_downstream_calls_without_a_tool_call():
     assert [r.name for r in job.order(pair(), RankState(iteration_s=0.02))] == ["alone", "head"]
     seg = LAMPS(prof, MinWaste(prof), horizon="segment")
     assert [r.name for r in seg.order(pair(), RankState(iteration_s=0.02))] == ["head", "alone"]
+
+
+def test_the_vllm_schedulers_ranking_gets_the_lamps_options():
+    """engine: {kind: vllm} builds its ranking inside vLLM's engine core from
+    additional_config: the two LAMPS options travel there too."""
+    pytest.importorskip("vllm")
+    from interlace.engine_ext.vllm.scheduler import build_ranking, interlace_config
+
+    prof = small_profile()
+    rk = build_ranking(interlace_config("lamps", prof, "infercept", horizon="segment", handling_at_call=True))
+    assert rk.inner.horizon == "segment" and rk.inner.apply_at_call is True
+    rk = build_ranking(interlace_config("lamps", prof, "infercept"))
+    assert rk.inner.horizon == "job" and rk.inner.apply_at_call is False

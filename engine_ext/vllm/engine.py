@@ -216,7 +216,9 @@ def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, pro
     conf = interlace_config(ranking=getattr(policy, "ranking", "fcfs") if policy else "fcfs", profile=profile,
                             interception=getattr(policy, "interception", "preserve") if policy else "preserve",
                             starvation_threshold=getattr(policy, "starvation_threshold", 100) if policy else 100,
-                            refresh_interval=getattr(policy, "refresh_interval", 1) if policy else 1)
+                            refresh_interval=getattr(policy, "refresh_interval", 1) if policy else 1,
+                            horizon=getattr(policy, "horizon", "job") if policy else "job",
+                            handling_at_call=bool(getattr(policy, "handling_at_call", False)) if policy else False)
     kw["additional_config"] = {"interlace": conf}
     extra = dict(engine.get("args") or {})
     clash = sorted(set(extra) & {"model", "scheduler_cls", "additional_config"})

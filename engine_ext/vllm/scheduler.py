@@ -81,7 +81,9 @@ def build_ranking(conf: Dict[str, Any]) -> RankingPolicy:
     interception = make_interception(conf.get("interception", "preserve"), profile) if profile else None
     return ObjectiveRanking(make_ranking(conf.get("ranking", "fcfs"), profile, interception,
                                          starvation_threshold=int(conf.get("starvation_threshold", 100)),
-                                         refresh_interval=int(conf.get("refresh_interval", 1))))
+                                         refresh_interval=int(conf.get("refresh_interval", 1)),
+                                         horizon=conf.get("horizon", "job"),
+                                         handling_at_call=bool(conf.get("handling_at_call", False))))
 
 
 def request_hint(req: Any) -> Dict[str, Any]:
@@ -168,7 +170,9 @@ ASYNC = f"{__name__}.InterlaceAsyncScheduler"
 
 
 def interlace_config(ranking: str = "fcfs", profile: Optional[Profile] = None, interception: str = "preserve",
-                     starvation_threshold: int = 100, refresh_interval: int = 1) -> Dict[str, Any]:
+                     starvation_threshold: int = 100, refresh_interval: int = 1, horizon: str = "job",
+                     handling_at_call: bool = False) -> Dict[str, Any]:
     """What goes into ``additional_config["interlace"]`` (JSON-able: vLLM hashes it)."""
     return {"ranking": ranking, "interception": interception, "starvation_threshold": starvation_threshold,
-            "refresh_interval": refresh_interval, "profile": profile.to_dict() if profile else None}
+            "refresh_interval": refresh_interval, "horizon": horizon, "handling_at_call": handling_at_call,
+            "profile": profile.to_dict() if profile else None}
