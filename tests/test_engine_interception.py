@@ -720,3 +720,59 @@ def test_chunked_policy_caps_all_waiting_work_at_s(tiny_dirs, name):
         assert len(chunks_a) >= 2, steps
     else:
         assert chunks_a == [len(PROMPTS["a"])], steps
+
+
+def test_a_waiting_context_never_preempts_a_running_prefill():
+    """Admission as in vLLM (and the simulator): a context with nothing
+    computed -- here a discarded one that keeps its early arrival, so FCFS
+    ranks it first -- is admitted only into free memory; it does not
+    preempt a running context part-way through its prefill (that made
+    contexts thrash: preempted at 122 of 125 tokens, recomputed, preempted
+    again).  It waits holding nothing, not even its prefix-cache match, and
+    the running prefill ranked below it still gets its chunk."""
+    from interlace.engine_ext.native.block_manager import BlockManager
+    from interlace.engine_ext.native.scheduler import Scheduler
+    from interlace.engine_ext.native.sequence import Context
+
+    blocks = BlockManager(num_blocks=4, block_size=BS, hash_key=b"k")
+    sched = Scheduler(blocks, FCFS(), max_batched_tokens=64)
+    cached = Context("old", list(range(100, 104)))  # one full block left in the prefix cache
+    cached.table.blocks = [blocks.allocate()]
+    blocks.seal_full_blocks(cached.table, cached.token_ids, 4)
+    blocks.release(cached.table)
+    running = Context("running", list(range(8)) + list(range(200, 208)), arrival=2.0)
+    running.table.blocks = [blocks.allocate(), blocks.allocate()]
+    running.num_computed = 8                          # half-way through its prefill
+    waiting = Context("waiting", list(range(100, 112)), arrival=1.0)  # 3 blocks, the first one cached
+    for c in (waiting, running):
+        sched.add(c)
+    batch = sched.schedule()
+    assert [(ch.ctx.id, ch.start, ch.num) for ch in batch.chunks] == [("running", 8, 8)]
+    assert sched.num_preemptions == 0 and running.num_computed == 8
+    assert waiting.table.blocks == [] and waiting.num_computed == 0 and not batch.failed
+
+
+def test_kv_dropped_for_memory_is_counted_by_what_the_context_was_doing():
+    """The simulator's counters, like for like: ``running_preemptions``
+    (a running context preempted for memory: the simulator's
+    ``preemptions``), ``paused_dropped`` (a preserved paused context's KV
+    taken), ``idle_dropped``; a discard is a handling, not counted here."""
+    from interlace.engine_ext.native.block_manager import BlockManager
+    from interlace.engine_ext.native.scheduler import Scheduler
+    from interlace.engine_ext.native.sequence import Context, Generation, Interception
+
+    blocks = BlockManager(num_blocks=4, block_size=BS, hash_key=b"k")
+    paused = Context("paused", list(range(50, 54)), num_computed=4)
+    paused.gen = Generation(SamplingParams(), lambda ev: None, paused=True)
+    paused.intercept = Interception(PauseHint(), 0.0)
+    sched = Scheduler(blocks, FCFS(), max_batched_tokens=64, inactive=lambda: [paused])
+    first = Context("first", list(range(16)), num_computed=8, arrival=1.0)   # needs 2 more blocks
+    low = Context("low", list(range(20, 28)), num_computed=4, arrival=2.0)   # ranked below it
+    for c, n in ((paused, 1), (first, 2), (low, 1)):
+        c.table.blocks = [blocks.allocate() for _ in range(n)]
+    sched.add(first)
+    sched.add(low)
+    batch = sched.schedule()
+    assert [ch.ctx.id for ch in batch.chunks] == ["first"]
+    assert sched.stats == {"running_preemptions": 1, "paused_dropped": 1, "idle_dropped": 0}
+    assert sched.num_preemptions == 2

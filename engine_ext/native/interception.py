@@ -46,7 +46,10 @@ class Interceptor:
     ``stats`` is the engine's counters dict: this object keeps ``handlings``
     (each call's first handling), ``replanned`` (a preserved context's later
     discard or swap), ``kv_waste_token_s``, ``swap_out_blocks``, ``swap_in_blocks`` and
-    ``host_used_blocks`` current in it."""
+    ``host_used_blocks`` current in it, and shares it with the scheduler,
+    which counts the KV it drops for memory there (``running_preemptions``,
+    ``paused_dropped``, ``idle_dropped``; the simulator's ``preemptions``
+    and ``paused_dropped`` count the same things)."""
 
     def __init__(self, scheduler: Scheduler, blocks: BlockManager, stats: dict, policy: InterceptionPolicy,
                  profile: Optional[Profile] = None):
@@ -61,6 +64,8 @@ class Interceptor:
         self._held_tokens = 0   # device KV tokens held by intercepted contexts, since _waste_at
         self._waste_at = time.monotonic()
         stats.setdefault("replanned", {h.value: 0 for h in Handling})  # preserved, then discarded or swapped
+        stats.update(scheduler.stats)  # the scheduler counts its drops for room in the engine's stats
+        scheduler.stats = stats
         self.configure()
 
     # ---------------------------------------------------------------- policies
@@ -224,7 +229,7 @@ class Interceptor:
                 limit = max(1, prof.swap_limit_tokens(it) // self.block_size)  # at least one block: progress
             n_out, n_in, failed = self.swap.issue(limit, self.scheduler.make_room, can_wait=bool(batch.chunks))
             for ctx in failed:  # no device block to come back to: recompute instead
-                self.scheduler.preempt(ctx)
+                self.scheduler.drop_for_room(ctx)
             self.stats["swap_out_blocks"] = self.swap.stats["swap_out_blocks"]
             self.stats["swap_in_blocks"] = self.swap.stats["swap_in_blocks"]
         self.stats["host_used_blocks"] = self.swap.pool.num_used

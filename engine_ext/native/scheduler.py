@@ -10,10 +10,17 @@ first idle contexts' (least recently used first), then paused ones', then the
 lowest-ranked active context's (preemption by recompute), skipping any whose
 blocks are all shared with contexts that keep theirs (dropping it would free
 nothing).  Admitting a context with nothing computed (a new request, a
-discarded or preempted one) never drops a paused context's KV while
-anything else runs this step: the interception policy chose to keep it,
-and the newcomer waits, as in InferCept (and the simulator); only a step
-that would otherwise run nothing takes it (a paused call may never return).  A dropped context keeps its tokens and is recomputed when next
+discarded or preempted one) never preempts a running context (decoding or
+part-way through its prefill), as in vLLM: it takes free and prefix-cached
+blocks, and idle contexts' KV; the first waiting context that does not fit
+stops admission for the step (head of line; the running ones ranked below
+it are still served) and keeps nothing of its prefix-cache match.  (Letting
+newcomers preempt running prefills made contexts thrash: preempted at
+122 of 125 tokens, recomputed, preempted again; 3x the simulator's
+recomputation.)  Nor does it drop a paused context's KV while anything
+else runs this step: the interception policy chose to keep it, and the
+newcomer waits, as in InferCept (and the simulator); only a step that
+would otherwise run nothing takes it (a paused call may never return).  A dropped context keeps its tokens and is recomputed when next
 used; its full blocks stay in the prefix cache until evicted, so that is
 often cheap.
 
@@ -81,7 +88,11 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.max_seqs = max_seqs
         self.active: List[Context] = []
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # every KV drop (check_invariants' "preemptions"); by kind in ``stats``
+        # KV dropped for memory, by what the context was doing -- the simulator's counters of the same
+        # names (a discard is a handling, counted by the interceptor): the engine's stats dict once the
+        # interceptor shares it
+        self.stats = {"running_preemptions": 0, "paused_dropped": 0, "idle_dropped": 0}
 
     def add(self, ctx: Context) -> None:
         if ctx not in self.active:
@@ -109,6 +120,15 @@ class Scheduler:
         ctx.last_logits = None
         self.num_preemptions += 1
 
+    def drop_for_room(self, ctx: Context) -> None:
+        """Preempt ``ctx`` to free memory, counted by what it was doing:
+        running (decoding or prefilling, or resumed and swapping in),
+        paused, or idle."""
+        key = ("paused_dropped" if ctx.state is State.PAUSED and ctx.intercept is not None
+               else "running_preemptions" if ctx in self.active else "idle_dropped")
+        self.stats[key] += 1
+        self.preempt(ctx)
+
     def schedule(self) -> Batch:
         batch = Batch()
         budget = self.max_batched_tokens
@@ -131,6 +151,8 @@ class Scheduler:
         # waiting work's share of the step (chunked recomputation: up to S beside the decodes)
         prefill_left = self.prefill_budget(len(decodes)) if self.prefill_budget is not None else budget
         scheduled: set = set()
+        admit = True   # waiting contexts are admitted in rank order until one does not fit (head of line)
+        stuck: Optional[Context] = None  # the first context that got no memory
         for ctx in order:
             if budget == 0 or len(batch.chunks) >= self.max_seqs:
                 break
@@ -140,6 +162,8 @@ class Scheduler:
             if not is_decode and prefill_left <= 0:
                 continue  # a tenant's decodes may still follow in the fair order
             waiting = ctx.num_computed == 0  # not admitted yet (the sim's WAITING): new, discarded, preempted
+            if waiting and not admit:
+                continue
             if not ctx.table.blocks and ctx.num_computed == 0:
                 ctx.num_computed = self.blocks.match_prefix(ctx.table, ctx.token_ids)
             n = min(ctx.num_uncomputed, budget)
@@ -153,24 +177,34 @@ class Scheduler:
                     batch.copies += self.blocks.prepare_append(ctx.table, start, start + n)
                     break
                 except OutOfBlocks:
-                    victim = self._victim(ctx, order, scheduled, spare_paused=waiting and bool(batch.chunks))
+                    victim = self._victim(ctx, order, scheduled, waiting=waiting,
+                                          spare_paused=waiting and bool(batch.chunks))
                     if victim is None:
                         break
-                    self.preempt(victim)
+                    self.drop_for_room(victim)
             if self.blocks.blocks_for(start + n) > len(ctx.table.blocks):
-                # Nothing left to preempt.  If nothing at all runs this step and no swap is
-                # moving blocks (a swap-out frees them; a swap-in that cannot finish is given
-                # up to recomputation), waiting cannot help: idle/paused contexts hold the cache.
-                if not batch.chunks and not self._moves_pending():
-                    batch.failed.append((ctx, KVCacheExhausted(
-                        f"KV cache full ({self.blocks.num_blocks} blocks): idle or paused contexts hold it; "
-                        "free some contexts")))
-                break
+                # no memory for it: a waiting context stays out without holding anything (its
+                # prefix-cache match goes back to the cache) and no later one is admitted this step;
+                # running contexts ranked below it may still fit
+                if waiting:
+                    admit = False
+                    if ctx.table.blocks:
+                        self.blocks.release(ctx.table)
+                        ctx.num_computed = 0
+                stuck = stuck or ctx
+                continue
             batch.chunks.append(ScheduledChunk(ctx, start, n))
             scheduled.add(ctx)
             budget -= n
             if not is_decode:
                 prefill_left -= n
+        if stuck is not None and not batch.chunks and not self._moves_pending():
+            # Nothing runs this step and no swap is moving blocks (a swap-out frees them; a
+            # swap-in that cannot finish is given up to recomputation): waiting cannot help,
+            # idle/paused contexts hold the cache.
+            batch.failed.append((stuck, KVCacheExhausted(
+                f"KV cache full ({self.blocks.num_blocks} blocks): idle or paused contexts hold it; "
+                "free some contexts")))
         self.ranking.observe([ch.ctx for ch in batch.chunks], [c for c in order if c not in scheduled])
         return batch
 
@@ -184,12 +218,14 @@ class Scheduler:
         victim = self._victim(None, [], set())
         if victim is None:
             return False
-        self.preempt(victim)
+        self.drop_for_room(victim)
         return True
 
     def _victim(self, ctx: Optional[Context], order: List[Context], scheduled: Set[Context],
-                spare_paused: bool = False) -> Optional[Context]:
+                waiting: bool = False, spare_paused: bool = False) -> Optional[Context]:
         """The first context, in drop order, whose KV it helps to drop.
+        ``waiting``: for admitting a context (it never preempts a running
+        one, as in vLLM: only idle and paused contexts' KV is taken for it).
 
         A block is freed only when its last holder lets go, so dropping a
         context whose blocks are all shared (a fork's parent, a fork that
@@ -199,7 +235,8 @@ class Scheduler:
         """
         candidates = [v for v in self.inactive() if v.table.blocks and v is not ctx
                       and not (spare_paused and v.state is State.PAUSED)]
-        candidates += [v for v in reversed(order) if v is not ctx and v not in scheduled and v.table.blocks]
+        if not waiting:
+            candidates += [v for v in reversed(order) if v is not ctx and v not in scheduled and v.table.blocks]
         # blocks moving to or from the host are busy: not dropped mid-copy
         candidates = [v for v in dict.fromkeys(candidates) if not v.swap_ops]
         blocks = self.blocks.blocks
