@@ -557,6 +557,9 @@ class NativeEngine:
             self._forward_took(time.perf_counter() - t0)
         self.stats["steps"] += 1
         self.output.postprocess(batch, logits, rows)
+        # a call that paused in this step is decided now, as the simulator decides it right after its
+        # iteration: a call that returned before the next step was otherwise never planned (its KV kept)
+        self.interceptor.plan()
         # on CUDA run() only queued the step: its GPU time comes from events, once it has run
         # (after sampling, whose copy of the ids waited for it; a step that sampled nothing: later)
         for dt in self.runner.forward_seconds():
