@@ -231,3 +231,39 @@ def test_infercept_beats_vllm_on_h100_mixed_trace():
     assert ours["completed"] == base["completed"] == 600
     assert ours["norm_latency_p50"] < 0.35 * base["norm_latency_p50"]
     assert ours["kv_waste_gb_s"] < 0.2 * base["kv_waste_gb_s"]
+
+
+def test_nothing_else_to_run_a_newcomer_takes_a_preserved_contexts_kv():
+    """As the native engine: a waiting request that does not fit, in an
+    iteration where nothing else runs, takes a preserved paused context's
+    KV (a call may never return) rather than idle until the call returns;
+    B finishes seconds after it arrives, not after A's 50 s call."""
+    prof = unit_profile(kv_capacity_tokens=10)
+    trace = Trace([TraceRequest("A", [Segment(6, 2, 50.0, 0), Segment(0, 1)], 0.0, "t"),
+                   TraceRequest("B", [Segment(6, 2)], 1.0, "t")])
+    res = simulate(trace, prof, make_interception("preserve"), make_ranking("fcfs"), oracle=True)
+    finish = {r.id: r.finish for r in res.records}
+    assert finish["B"] < 10 and res.stats["paused_dropped"] == 1, finish
+    assert res.stats["recomputed_tokens"] == 6  # A's 8 tokens but the 2 left in the prefix cache
+
+
+def test_the_policy_sees_the_iteration_about_to_run():
+    """BatchState describes the next iteration, as the native engine gives
+    it: A pauses in an iteration that also prefilled B's 100-token prompt,
+    but what runs next is B's decode alone (1 token, not 101)."""
+    from interlace.engine_ext.policies import Preserve
+
+    class Seeing(Preserve):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def plan(self, paused, batch, now=0.0):
+            self.seen.append((batch.decode_tokens, batch.batched_tokens))
+            return super().plan(paused, batch, now)
+
+    pol = Seeing()
+    trace = Trace([TraceRequest("A", [Segment(4, 2, 5.0, 0), Segment(0, 1)], 0.0, "t"),
+                   TraceRequest("B", [Segment(100, 3)], 1.0, "t")])
+    simulate(trace, unit_profile(kv_capacity_tokens=1000), pol, make_ranking("fcfs"), oracle=True)
+    assert pol.seen[0] == (1, 1)

@@ -28,7 +28,11 @@ One loop turn is one engine iteration at a boundary ``now``:
    resumed, preempted) is admitted only if its chunk fits in free memory
    (``admission="greedy"``) -- or, with ``admission="peak"``, if all the
    memory it will add until its next call or its end fits -- and the first
-   one that does not fit stops admission (head of line, as vLLM).
+   one that does not fit stops admission (head of line, as vLLM) --
+   unless nothing else runs this iteration: then, rather than idle, it
+   takes preserved paused contexts' KV (latest call first), as the native
+   engine does (a paused call may never return; not with ``peak``, the
+   worked example's rule, where a preserved context is kept).
    With ``rank_preempt=True`` (LAMPS' Algorithm 1 rebuilds the running
    batch from the ranked queue each iteration) the best-ranked waiting
    request that does not fit first preempts running requests ranked below
@@ -62,7 +66,9 @@ One loop turn is one engine iteration at a boundary ``now``:
    dynamic estimate grows; a preserved context may later be discarded or
    swapped), with the batch around them (``BatchState``, C_other = the
    RUNNING requests' device KV, the intercepted ones no longer among
-   them); ``ranking.observe`` gets what ran and what waited.
+   them, and the decodes and batched tokens of the iteration about to
+   run, :meth:`Simulator.next_step`, as the native engine gives them);
+   ``ranking.observe`` gets what ran and what waited.
 
 Token model: a request's KV covers every token of its sequence.  A decode
 computes one token and adds it (+1 token of memory).  A prefill of new
@@ -579,8 +585,8 @@ class Simulator:
         # iteration gives it beside the decodes: up to S under chunked recomputation (module doc, 3.)
         budget = min(budget, self.p.prefill_budget(len(sched), self.policy.chunked_recompute))
         cands = [r for r in prefills if r.state == RUNNING]
-        if self.available() > 0:  # else no waiting request can be admitted: skip ranking them
-            cands += waiting
+        if self.available() > 0 or (not sched and self.preserved and not self.peak):
+            cands += waiting  # (else none can be admitted: not ranked)
         if cands and slots > 0 and budget > 0:
             if state is None:
                 state = self.rank_state(it)
@@ -623,6 +629,11 @@ class Simulator:
                         peak_grow = self.nb(r.seq + seg.completion_tokens - r.seg_gen) - held
                     # a cache hit re-uses blocks counted in available(): they must not be evicted for itself
                     avail = self.available() - (held if hit is not None else 0)
+                    if peak_grow > avail and not sched and self.preserved and not self.peak:
+                        # nothing else runs this iteration: rather than idle, it takes preserved paused
+                        # contexts' KV (a paused call may never return), as the native engine does
+                        self.make_room(peak_grow + (held if hit is not None else 0), r, None, scheduled)
+                        avail = self.available() - (held if hit is not None else 0)
                     if peak_grow > avail:
                         admit = False
                         continue
@@ -790,7 +801,7 @@ class Simulator:
                     if self.on_interception is not None:
                         self.on_interception(r)
                     newly.append(r)
-            self.intercept(newly, at_call, steps, batched)
+            self.intercept(newly, at_call)
             # 6. ranking bookkeeping
             scheduled = [x[0] for x in sched]
             sset = set(scheduled)
@@ -806,8 +817,19 @@ class Simulator:
         self.stats["iterations"] = it
         return self.result(t0)
 
-    def intercept(self, newly: List[SimRequest], at_call: Dict[SimRequest, Handling], decodes: int,
-                  batched: int) -> None:
+    def next_step(self) -> tuple:
+        """(decodes, batched tokens) of the iteration about to run, as the
+        native engine describes it to the interception policy: every
+        running decode plus the waiting work its prefill budget lets in
+        (the iteration that just ran would describe the past: after a long
+        prefill the next one may be all decodes, whose much shorter time
+        decides whether a swap can hide behind it)."""
+        decodes = sum(1 for r in self.ready if r.state == RUNNING and r.kv == r.seq)
+        waiting = sum(r.seq - r.kv for r in self.ready if r.kv < r.seq)
+        cap = self.p.prefill_budget(decodes, self.policy.chunked_recompute)
+        return decodes, max(1, min(self.p.max_batched_tokens, decodes + min(waiting, cap)))
+
+    def intercept(self, newly: List[SimRequest], at_call: Dict[SimRequest, Handling]) -> None:
         """Handle the calls reached this iteration (module doc, 5.)."""
         for r, h in at_call.items():  # LAMPS' handling for the segment, as predicted (Algorithm 1)
             r.pinned = True
@@ -819,7 +841,8 @@ class Simulator:
         if not ctxs:
             return
         backlog = sum(r.out_left for r in self.out_queue) * self.bs
-        batch = BatchState(context_tokens=self.running_kv(), decode_tokens=decodes, batched_tokens=max(1, batched),
+        decodes, batched = self.next_step()
+        batch = BatchState(context_tokens=self.running_kv(), decode_tokens=decodes, batched_tokens=batched,
                            swap_backlog_tokens=backlog)
         ics = [InterceptedContext(r.kv, self.dev_blocks(r),
                                   r.trace.segments[r.seg].api_time if self.oracle
@@ -848,6 +871,7 @@ class Simulator:
                  "ranking": getattr(self.ranking, "name", type(self.ranking).__name__),
                  "profile": self.p.model, "profile_source": self.p.source,
                  "iterations": self.stats["iterations"], "preemptions": self.stats["preemptions"],
+                 "paused_dropped": self.stats["paused_dropped"],
                  "recomputed_tokens": self.stats["recomputed_tokens"],
                  "swap_out_blocks": self.stats["swap_out_blocks"], "swap_in_blocks": self.stats["swap_in_blocks"],
                  "handling": dict(self.stats["handling"])}
