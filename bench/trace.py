@@ -556,9 +556,11 @@ def run_native_variant(model, tokenizer, trace, v: Variant, profile, *, kv_cache
              "non_tool_mean": mean_non_tool(records),
              "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, dict))},
              "leaked_blocks": inv.get("used_blocks"),
-             # the mechanism counters under the simulator's names (the ablation's columns)
+             # the mechanism counters under the simulator's names and meanings (the ablation's columns):
+             # preemptions = running contexts preempted for memory (inv's "preemptions" counts every KV drop)
              "handling": dict(stats.get("handlings", {})), "recomputed_tokens": stats.get("recomputed_tokens"),
-             "preemptions": inv.get("preemptions"), "swap_out_blocks": stats.get("swap_out_blocks"),
+             "preemptions": stats.get("running_preemptions", inv.get("preemptions")),
+             "paused_dropped": stats.get("paused_dropped"), "swap_out_blocks": stats.get("swap_out_blocks"),
              "swap_in_blocks": stats.get("swap_in_blocks")}
     return summarize(records, wall, waste, extra)
 

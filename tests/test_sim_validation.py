@@ -109,10 +109,13 @@ def test_simulator_follows_the_engine_under_memory_pressure(one_thread):
     cache far under the peak demand, per variant: both complete it without
     leaks, the mechanisms really run on both (vLLM discards and recomputes;
     InferCept and LAMPS swap or discard), and they take about the same
-    number of iterations (a structural check: the same scheduling rules).
+    number of iterations (within 20%) and recompute about as many tokens
+    (within 2x; structural checks: the same scheduling rules).
     The timing ratio and the order of the variants are printed, not asserted:
     they move with a shared machine's load (docs/benchmarks.md has the runs
-    on a quiet machine, where sim/native is within 0.75-1.33 for these)."""
+    on a quiet machine, where sim/native is within 0.75-1.33 for these;
+    measured 2026-11-27 at load 3.6: 1.11 / 0.97 / 1.23, iterations and
+    recomputed tokens within 7% and 25%)."""
     model, tok, _ = bench_trace.load_native_model(None)
     profile = bench_trace.measure_native_profile(model, tok, PRESSURE_KV, STEP_TOKENS)
     trace = pressure_trace()
@@ -142,7 +145,12 @@ def test_simulator_follows_the_engine_under_memory_pressure(one_thread):
                 assert h["swap"] + h["discard"] > 0, (side, name, h)
             # (the engine may give a swap-in up to recomputation when nothing else runs: fewer come back)
             assert m["swap_in_blocks"] <= m["swap_out_blocks"], (side, name, m)
-        assert abs(sim["iterations"] - steps) <= 0.3 * steps, (name, sim["iterations"], steps)
+        assert abs(sim["iterations"] - steps) <= 0.2 * steps, (name, sim["iterations"], steps)
+        # the same admission and preemption rules: about the same recomputation (when the engine let
+        # a newcomer preempt running prefills it recomputed ~3x the simulator's tokens: 874 vs 270)
+        rec = sorted((sim["recomputed_tokens"], native["recomputed_tokens"]))
+        assert rec[1] <= 2 * rec[0] + 64, (name, "recomputed tokens sim / native", sim["recomputed_tokens"],
+                                           native["recomputed_tokens"])
     key = "e2e_mean"
     tau = bench_trace.kendall_tau([got[n][0][key] for n in PRESSURE_VARIANTS],
                                   [got[n][1][key] for n in PRESSURE_VARIANTS])
