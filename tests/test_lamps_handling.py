@@ -6,20 +6,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from interlace.engine_ext.policies import (LAMPS, Discard, Handling, MinWaste, ObjectiveRanking, Preserve, Profile,
+from helpers.profiles import small_profile
+from interlace.engine_ext.policies import (LAMPS, Discard, Handling, MinWaste, ObjectiveRanking, Preserve,
                                            RankState, SchedInfo, make_interception, make_ranking, unit_profile)
 from interlace.engine_ext.sim.simulator import Simulator, simulate
 from interlace.engine_ext.sim.traces import Segment, Trace, TraceRequest, generate_infercept, scale_trace, \
     with_poisson_arrivals
 from interlace.gateway.config import ConfigError, parse_config
-
-
-def small_profile(**kw):
-    d = dict(model="tiny", device="sim", source="derived (test)", block_size=4, kv_bytes_per_token=1,
-             kv_capacity_tokens=256, max_batched_tokens=64, fwd_tokens=(1, 64), fwd_seconds=(0.01, 0.02),
-             fwd_s_per_context_token=0.0, swap_s_per_block=0.004, saturation_tokens=16)
-    d.update(kw)
-    return Profile(**d)
 
 
 @dataclass

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from helpers.profiles import small_profile
 from interlace.engine_ext.policies import (INTERCEPTION_NAMES, Fixed, Handling, Profile, make_interception,
                                            make_ranking, unit_profile)
 from interlace.engine_ext.sim.cli import main as sim_main
@@ -41,14 +42,6 @@ def test_lamps_figure_3_exactly(ranking, finish, total):
     assert res.stats["handling"] == {"preserve": 1, "discard": 1, "swap": 1}
     assert res.stats["leaked_blocks"] == 0 and res.stats["host_blocks"] == 0
     assert [r.output_tokens for r in res.records] == [6, 2, 3]
-
-
-def small_profile(**kw):
-    d = dict(model="tiny", device="sim", source="derived (test)", block_size=4, kv_bytes_per_token=1,
-             kv_capacity_tokens=256, max_batched_tokens=64, fwd_tokens=(1, 64), fwd_seconds=(0.01, 0.02),
-             fwd_s_per_context_token=0.0, swap_s_per_block=0.004, saturation_tokens=16)
-    d.update(kw)
-    return Profile(**d)
 
 
 def small_trace(n=24, rate=20.0, seed=0):

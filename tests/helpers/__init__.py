@@ -8,7 +8,8 @@ fixtures stay in tests/conftest.py.  The modules:
 * ``gateway_server`` -- a real gateway on loopback, or ``interlace serve`` in a subprocess;
 * ``tiny_models`` -- tiny random Hugging Face checkpoints (the ``tiny_dirs`` fixture makes them);
 * ``info_plugin`` -- a plugin module a config names (``helpers.info_plugin``) for the CLI tests;
-* ``mcp_test_server`` -- an MCP server the MCP tests run as a program.
+* ``mcp_test_server`` -- an MCP server the MCP tests run as a program;
+* ``profiles`` -- small cost-model profiles the policy and simulator tests share.
 
 Importing this package stays light (a subprocess loads ``helpers.info_plugin`` through it).
 """
