@@ -44,11 +44,42 @@ def token_text(gen: Any, tok: int, *, is_eos: bool, at_limit: bool) -> Tuple[str
             text += gen.held + (detok.flush() if detok is not None else "")
         return text, finish, False
     if sp.pause_on:
-        window = gen.tail + delta
-        hit = any(s in window and window.rfind(s) + len(s) > len(gen.tail) for s in sp.pause_on)
-        gen.tail = window[-max(len(s) for s in sp.pause_on):]
+        hit, gen.tail = pause_hit(gen.tail, delta, sp.pause_on)
         return text, None, hit
     return text, None, False
+
+
+def pause_hit(tail: str, delta: str, pause_on: Sequence[str]) -> Tuple[bool, str]:
+    """Whether ``delta`` completes a ``pause_on`` string after ``tail`` (the
+    text before it, as long as the longest string), and the new tail."""
+    window = tail + delta
+    hit = any(s in window and window.rfind(s) + len(s) > len(tail) for s in pause_on)
+    return hit, window[-max(len(s) for s in pause_on):]
+
+
+class PauseWatch:
+    """The ``pause_on`` rule alone, for a process that sees a stream's tokens
+    but not its text: vLLM's engine core, where Interlace's scheduler stops a
+    request on the very token that completes a pause string, so a paused
+    request keeps exactly its context's KV (engine_ext/vllm/pins.py).  The
+    same detokenizer and the same :func:`pause_hit` as :func:`token_text`,
+    so both processes pause on the same token."""
+
+    def __init__(self, tokenizer: Any, context_ids: Sequence[int], pause_on: Sequence[str],
+                 skip_special_tokens: bool = True, eos_token_ids: Sequence[int] = ()):
+        from .tokenizer import IncrementalDetokenizer
+
+        self.detok = IncrementalDetokenizer(tokenizer, context_ids, skip_special_tokens)
+        self.pause_on = tuple(pause_on)
+        self.eos = frozenset(eos_token_ids)
+        self.tail = ""
+
+    def add(self, tok: int) -> bool:
+        """Feed one generated token; True when it completes a pause string."""
+        if tok in self.eos:  # an end of stream carries no text (token_text's is_eos)
+            return False
+        hit, self.tail = pause_hit(self.tail, self.detok.add(tok), self.pause_on)
+        return hit
 
 
 def held_suffix(text: str, stops: Sequence[str]) -> int:
