@@ -73,6 +73,7 @@ class _Gen:
     task: Optional[asyncio.Task] = None    # the segment decoding now (None while paused)
     pause_hint: Optional[PauseHint] = None
     grammar: Any = None                    # the backend's form of the gateway's grammar processor
+    resumed_len: int = 0                   # a resumed stream: the paused context's length (recompute counting)
 
 
 @dataclass(eq=False)
@@ -89,6 +90,7 @@ class _Context:
     arrival: float = field(default_factory=time.time)
     hint: Optional[RequestHint] = None
     parked: Optional[PauseHint] = None
+    backend: Any = None                    # what the backend keeps for the context (vLLM: its session)
     paused_at: Optional[float] = None
 
     @property
@@ -135,6 +137,9 @@ class RequestEngine:
         self._closed = False
         self._dead: Optional[str] = None
         self._stats: Dict[str, Any] = {}
+        #: resumes after a pause, the paused contexts' tokens, and those of them computed again
+        self.resume_counts: Dict[str, int] = {"resumes": 0, "paused_context_tokens": 0,
+                                              "recomputed_after_resume": 0}
         self._loop = asyncio.new_event_loop()
         started: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run_loop, args=(started,), name=f"interlace-{name}",
@@ -289,7 +294,7 @@ class RequestEngine:
             self._require_idle(ctx, "truncate")
             ctx.parked = None
             del ctx.token_ids[n:]
-            ctx.computed = min(ctx.computed, n) // self.block_size * self.block_size
+            ctx.computed = self._kept(min(ctx.computed, n))
             return ctx.computed
         return await self._call(truncate())
 
@@ -390,8 +395,8 @@ class RequestEngine:
 
     def _fork(self, cid: Hashable, parent: _Context) -> _Context:
         parent.parked = None
-        child = _Context(cid, list(parent.token_ids), parent=parent, computed=parent.computed,
-                         forked=parent.computed)
+        shared = parent.computed // self.block_size * self.block_size  # the child finds the parent's whole blocks
+        child = _Context(cid, list(parent.token_ids), parent=parent, computed=shared, forked=shared)
         parent.children.add(child)
         self.contexts[cid] = child
         return child
@@ -400,6 +405,10 @@ class RequestEngine:
         if ctx.parent is not None:
             ctx.parent.children.discard(ctx)
         self.contexts.pop(ctx.id, None)
+        self._forget(ctx)
+
+    def _forget(self, ctx: _Context) -> None:
+        """The context is gone: whatever the backend keeps for it goes too (vLLM's sessions)."""
 
     # ----------------------------------------------------------- the backend
     def _run(self, coro: Any, timeout: Optional[float] = None) -> Any:
@@ -412,6 +421,13 @@ class RequestEngine:
         closing the returned iterator aborts it.  ``extra`` is what the
         backend's scheduler may read (the job's arrival, the RequestHint)."""
         raise NotImplementedError
+
+    def _stream(self, ctx: _Context, rid: str, prompt: List[int], sampling: SamplingParams, max_tokens: int,
+                extra: Dict[str, Any], grammar: Any) -> Any:
+        """The async context manager a segment (or a fill) decodes in: a
+        request over ``prompt`` whose chunks it iterates; leaving it ends the
+        request (here: aborts it; vLLM's sessions keep its KV instead)."""
+        return contextlib.aclosing(self._open(rid, prompt, sampling, max_tokens, extra, grammar))
 
     def _grammar(self, parts: Dict[str, Any]) -> Any:
         """The backend's form of a grammar given as ``{"json": schema}`` or
@@ -468,17 +484,17 @@ class RequestEngine:
         """Compute the context's KV with a one-token request; vLLM's prefix
         cache keeps its whole blocks for the forks and follow-ups that
         extend it (Parrot's Fill, as a prefix-cache warm-up)."""
-        if len(ctx.token_ids) // self.block_size * self.block_size <= ctx.computed:
+        if self._kept(len(ctx.token_ids)) <= ctx.computed:
             return  # no whole block to compute (the cache keeps whole blocks only)
         rid = f"{self.name}-fill-{next(_ids)}"
         tokens = list(ctx.token_ids)
         counted = ctx.computed
-        async with contextlib.aclosing(self._open(rid, tokens, SamplingParams(max_tokens=1), 1,
-                                                  self._extra(ctx, hint), None)) as stream:
+        async with self._stream(ctx, rid, tokens, SamplingParams(max_tokens=1), 1, self._extra(ctx, hint),
+                                None) as stream:
             async for chunk in stream:
                 counted = self._count_hits(ctx, chunk, len(tokens), counted)
         if ctx.token_ids[:len(tokens)] == tokens:
-            ctx.computed = max(ctx.computed, len(tokens) // self.block_size * self.block_size)
+            ctx.computed = max(ctx.computed, self._kept(len(tokens)))
 
     async def _fill(self, cid: Hashable, tokens: List[int], parent_id: Optional[Hashable],
                     hint: Optional[RequestHint]) -> int:
@@ -572,11 +588,18 @@ class RequestEngine:
         try:
             if gen.generated:  # a resumed stream: what its processor constrains from here on
                 gen.grammar = self._segment_grammar(gen)
-            async with contextlib.aclosing(self._open(rid, prompt, sp, max_tokens, self._extra(ctx, gen.hint),
-                                                      gen.grammar)) as stream:
+            async with self._stream(ctx, rid, prompt, sp, max_tokens, self._extra(ctx, gen.hint),
+                                    gen.grammar) as stream:
                 async for chunk in stream:
+                    if gen.resumed_len and chunk.cached_tokens is not None:
+                        # what of the paused context this request computed again (its KV was not kept)
+                        rc = self.resume_counts
+                        rc["resumes"] += 1
+                        rc["paused_context_tokens"] += gen.resumed_len
+                        rc["recomputed_after_resume"] += max(0, gen.resumed_len - int(chunk.cached_tokens))
+                        gen.resumed_len = 0
                     counted = self._count_hits(ctx, chunk, len(prompt), counted)
-                    ctx.computed = max(ctx.computed, len(prompt) // self.block_size * self.block_size)
+                    ctx.computed = max(ctx.computed, self._kept(len(prompt)))
                     lps = chunk.logprobs
                     for i, tok in enumerate(chunk.token_ids):
                         lp = lps[i] if sp.logprobs and i < len(lps) else None
@@ -594,6 +617,13 @@ class RequestEngine:
         finally:
             if gen.task is asyncio.current_task():
                 gen.task = None
+            if gen.generated:  # the tokens decoded before the last one were computed too
+                ctx.computed = max(ctx.computed, self._kept(len(ctx.token_ids) - 1))
+
+    def _kept(self, n: int) -> int:
+        """Of ``n`` computed tokens, those a later request can reuse: whole
+        blocks where only the backend's prefix cache keeps them."""
+        return n // self.block_size * self.block_size if self.whole_blocks_only else n
 
     @staticmethod
     def _count_hits(ctx: _Context, chunk: Chunk, prompt_len: int, counted: int) -> int:
@@ -706,6 +736,7 @@ class RequestEngine:
         self._observe_tool(ctx, gen)
         if hint is not None:  # the next segment's request carries it (_extra reads ctx.hint first)
             ctx.hint = gen.hint = _keep_tenant(hint, ctx.hint)
+        gen.resumed_len = len(ctx.token_ids) - 1  # its last token was sampled, never computed (every engine)
         ctx.token_ids += tokens
         gen.paused = False
         gen.detok.reset_context(ctx.token_ids)

@@ -31,12 +31,27 @@ Which vLLM mechanism implements each protocol call
   because vLLM's v1 logits processors are per-batch classes in the
   engine-core process, where the gateway's per-request Python matchers
   cannot go, and both engines then run the same llguidance grammar.
-* ``pause`` / a ``pause_on`` hit -- the request is aborted; its blocks go
-  back to vLLM's pool *with their hashes*, so ``resume`` (a new request over
-  context + tool result) reuses whatever was not evicted meanwhile.  That
-  is **Discard with prefix reuse** -- what vLLM does for every tool call
-  today, but here the stream, the context id and the job's arrival time
-  survive the pause.
+* ``pause`` / a ``pause_on`` hit -- with the default interception policy
+  (anything but ``discard``) the context's KV **stays in vLLM**: every
+  context decodes through one vLLM *resumable request* (a session) whose
+  chunks are its fills, segments and follow-ups; Interlace's scheduler stops
+  a chunk on the very token that completes the pause string, the request
+  waits with its blocks, and ``resume`` (or a client's follow-up after a
+  client-side tool call, or the next ``generate``) continues it on them --
+  no recomputation of the paused context (:mod:`.pins` says why resumable
+  requests rather than pinning blocks through the KV cache manager, and how
+  a cut context is truncated; :mod:`.sessions` is the frontend half).  The
+  interception policy decides at each pause whether to keep it (InferCept's
+  min-waste where a cost-model profile is configured, else keep), and pins
+  are bounded: a **pin budget** (``pin_budget``, a fraction of vLLM's
+  blocks; over it the most wasteful to keep is released first), running
+  requests' need (a pin never makes vLLM preempt a running request), and a
+  **TTL** (``pin_ttl_s``; a client-side call's pin lives as long as the
+  retention store keeps its context).  A released pin is *discard with
+  prefix reuse*: its whole blocks keep their hashes, and the resume
+  recomputes only what was evicted meanwhile.  With ``interception:
+  discard`` (today's vLLM behaviour, and the baseline of the benchmarks) a
+  pause aborts the request instead.
 * ``free_context`` aborts any request and forgets the tokens (the cached
   blocks age out of vLLM's LRU pool).  ``truncate``, ``park``,
   ``computed_tokens`` and ``context_tokens`` are bookkeeping on the token
@@ -51,18 +66,30 @@ Which vLLM mechanism implements each protocol call
 
 What it cannot do (and the native engine can)
 ---------------------------------------------
-* **Preserve** and **Swap** handlings.  vLLM 0.32 cannot take a running
-  request out of the batch and keep its blocks: a request either runs,
-  is preempted by vLLM itself, or finishes.  The nearest mechanisms are a
-  *streaming-input* request (``StreamingInput``: it keeps its KV between
-  input chunks, but a chunk ends only at max_tokens or a stop *token*,
-  while Interlace pauses on text such as ``</tool_call>``, detected after
-  detokenization in the frontend) and the KV-connector
-  ``OffloadingConnector`` (which moves *evicted* prefix blocks to CPU
-  memory: pass it in ``args: {kv_transfer_config: ...}`` on a GPU to turn
-  discard into discard-or-reload; on the CPU build the KV already lives in
-  host memory).  So every interception is discard with prefix reuse, and
-  the interception policy is used for its tool-duration predictor only.
+* **Swap** on the CPU build: vLLM 0.32's host-offload connectors refuse the
+  CPU platform at start-up (``OffloadingConnector``: "CPU Offloading is
+  currently only supported on CUDA-alike and XPU GPUs",
+  ``v1/kv_offload/cpu/spec.py``; ``SimpleCPUOffloadConnector`` fails at
+  ``torch.cuda.Stream.priority_range()``, ``v1/simple_kv_offload/worker.py``),
+  and there the KV cache already is host memory.  On a CUDA build, pass
+  ``args: {kv_transfer_config: {kv_connector: SimpleCPUOffloadConnector,
+  kv_role: kv_both, kv_connector_extra_config: {cpu_bytes_to_use: N,
+  lazy_offload: true}}}``: a released pin's blocks are then copied to host
+  memory when they near eviction and its resume loads them back through the
+  scheduler's prefix lookup (swap done lazily, no copy for contexts never
+  evicted).  What needs a fork of vLLM: choosing swap per pause (stores are
+  write-through or at eviction, not per request) and holding a host copy
+  until the resume (the host tier is an LRU shared by all requests).
+  ``OffloadingConnector`` is refused with kept KV: its per-request offload
+  keys only grow, so a session continued with a different token list would
+  be looked up under its old content (``offloading/scheduler.py``
+  ``update_offload_keys``).  Not run on a GPU yet (no vLLM on the lent GPU
+  machines).
+* Seeded sampling (``seed``) runs as a request of its own (the context's
+  session ends, its whole blocks stay in the prefix cache): vLLM 0.32's
+  model runner keeps a session's first chunk's random generator.
+* Sessions hold a model-runner slot while they wait (they count towards
+  ``max_num_seqs``).
 * Interception-aware LAMPS needs a cost-model profile; ``profile: auto``
   measures the native engine only, so with no profile file the vLLM
   engine ranks by SJF-total (logged at start-up).

@@ -81,12 +81,18 @@ def _envs_cached() -> bool:
 class VLLMEngine(RequestEngine):
     """:class:`~engine_ext.protocol.Engine` over ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
-    def __init__(self, engine_args: Any, tokenizer: Any, *, name: str = "vllm", interception: Any = None):
+    def __init__(self, engine_args: Any, tokenizer: Any, *, name: str = "vllm", interception: Any = None,
+                 keep_kv: bool = False):
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
 
         super().__init__(tokenizer, name=name, interception=interception)
         engine = self
+        #: contexts keep their KV in vLLM between segments (sessions: engine_ext/vllm/sessions.py); else
+        #: every pause aborts the request (discard with prefix reuse)
+        self.keep_kv = bool(keep_kv)
+        self.whole_blocks_only = not self.keep_kv  # a session keeps partial blocks too
+        self._pins: Dict[str, int] = {}
 
         class InterlaceStats(StatLoggerBase):
             """Keeps vLLM's last scheduler stats for stats() (routing, metrics)."""
@@ -129,8 +135,8 @@ class VLLMEngine(RequestEngine):
         self.kv_bytes_per_token = (2 * mc.get_num_layers(cfg.parallel_config) * mc.get_total_num_kv_heads()
                                    * mc.get_head_size() * mc.dtype.itemsize)
 
-    async def _open(self, rid: str, prompt: List[int], sampling: SamplingParams, max_tokens: int,
-                    extra: Dict[str, Any], grammar: Any) -> AsyncIterator[Chunk]:
+    @staticmethod
+    def _params(sampling: SamplingParams, max_tokens: int, extra: Dict[str, Any], grammar: Any) -> Any:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
@@ -142,8 +148,123 @@ class VLLMEngine(RequestEngine):
             output_kind=RequestOutputKind.DELTA, extra_args={"interlace": extra})
         if grammar is not None:
             kw["structured_outputs"] = grammar
+        return VSP(**kw)
+
+    def _stream(self, ctx: Any, rid: str, prompt: List[int], sampling: SamplingParams, max_tokens: int,
+                extra: Dict[str, Any], grammar: Any) -> Any:
+        """With ``keep_kv``, the segment is the next chunk of the context's
+        session, which keeps the KV when the segment ends; the scheduler
+        stops it on the same pause strings (``extra``: what it reads)."""
+        if not self.keep_kv or sampling.seed is not None:
+            # vLLM 0.32's model runner keeps a session's first chunk's random generator
+            # (GPUModelRunner._update_streaming_request): a seeded segment runs as a request of its own
+            self._forget(ctx)
+            return super()._stream(ctx, rid, prompt, sampling, max_tokens, extra, grammar)
+        from .sessions import Segment
+
+        stops = set() if sampling.ignore_eos else set(self.eos_token_ids)
+        stops |= set(sampling.stop_token_ids)
+
+        def params(sid: str) -> Any:
+            chunk = {**extra, "session": sid, "pause_on": list(sampling.pause_on),
+                     "skip_special": sampling.skip_special_tokens, "eos": sorted(stops)}
+            return self._params(sampling, max_tokens, chunk, grammar)
+        return Segment(self, ctx, prompt, params, bool(sampling.logprobs))
+
+    def _forget(self, ctx: Any) -> None:
+        if ctx.backend is not None:
+            ctx.backend.end()
+            ctx.backend = None
+
+    def _pause(self, ctx: Any, gen: Any, hint: Any, event: Any = None) -> None:
+        super()._pause(ctx, gen, hint, event)
+        if ctx.backend is not None and hint is not None and hint.expected_duration_s is not None:
+            self._control("hint", {"id": ctx.backend.sid, "expected_s": hint.expected_duration_s})
+
+    async def park(self, context_id: Any, hint: Any = None) -> None:
+        """Also tells the scheduler how long the kept context is expected to
+        wait (the hint's duration) and how long it may (``extra["ttl_s"]``:
+        the retention store's TTL for a client-side call)."""
+        await super().park(context_id, hint)
+
+        def send() -> None:
+            ctx = self.contexts.get(context_id)
+            if ctx is not None and ctx.backend is not None and hint is not None:
+                self._control("hint", {"id": ctx.backend.sid, "expected_s": hint.expected_duration_s,
+                                       "ttl_s": (hint.extra or {}).get("ttl_s")})
+        self._post(send)
+
+    async def release_kv(self, context_id: Any) -> bool:
+        """Drop the context's kept KV now (its whole blocks stay in vLLM's
+        prefix cache); the context stays usable and its next segment
+        recomputes what was evicted.  False where nothing was kept."""
+        return bool(await self._session_call("release", context_id))
+
+    async def pin_hint(self, context_id: Any, *, expected_s: Optional[float] = None,
+                       ttl_s: Optional[float] = None) -> bool:
+        """Tell the scheduler how long the context's kept KV is expected to
+        wait (the pin budget's order) and may wait (its TTL)."""
+        return bool(await self._session_call("hint", context_id, expected_s=expected_s, ttl_s=ttl_s))
+
+    async def _session_call(self, op: str, context_id: Any, **payload: Any) -> Any:
+        async def call() -> Any:
+            ctx = self._get(context_id)
+            if not self.keep_kv or ctx.backend is None or ctx.backend.state == "ended":
+                return False
+            return await self.llm.engine_core.call_utility_async("scheduler", op, {"id": ctx.backend.sid,
+                                                                                   **payload})
+        return await self._call(call())
+
+    def _control(self, op: str, payload: Dict[str, Any]) -> None:
+        """A control call to the scheduler (``pins``), in the background; a failure is logged."""
+        async def call() -> None:
+            try:
+                await self.llm.engine_core.call_utility_async("scheduler", op, payload)
+            except Exception as e:  # noqa: BLE001  (a hint or a release that did not land changes no result)
+                log.warning("vLLM scheduler call %s failed: %s", op, e)
+        self._loop.create_task(call())
+
+    async def fetch_pin_stats(self) -> Dict[str, int]:
+        """The scheduler's pins now (sessions, pinned blocks, hits, expired,
+        dropped, discarded, misses) with the frontend's resume counts."""
+        async def fetch() -> Dict[str, int]:
+            if self.keep_kv:
+                self._pins = dict(await self.llm.engine_core.call_utility_async("scheduler", "stats"))
+            return self.pin_stats()
+        return await self._call(fetch())
+
+    def pin_stats(self) -> Dict[str, int]:
+        """The last pin counts fetched (:meth:`fetch_pin_stats`) and the resume counts; with the engine
+        core gone, no pins (its blocks went with it)."""
+        out = {**self._pins, **self.resume_counts}
+        if not self.alive:
+            out.update(sessions=0, pinned=0, pinned_blocks=0)
+        elif self.keep_kv:  # the next read sees fresher counts (a scrape never waits on the engine core)
+            self._post(lambda: self._loop.create_task(self._refresh_pins()))
+        return out
+
+    def load_stats(self) -> Dict[str, Any]:
+        """The request engine's load, and with kept KV the pins (``pinned_blocks``, ``pinned``,
+        ``pin_<outcome>``, ``recomputed_after_resume``: gateway/metrics.py)."""
+        out = super().load_stats()
+        if self.keep_kv:
+            pins = self.pin_stats()
+            out.update(pinned_blocks=pins.get("pinned_blocks", 0), pinned=pins.get("pinned", 0),
+                       recomputed_after_resume=pins.get("recomputed_after_resume", 0),
+                       **{f"pin_{k}": pins.get(k, 0) for k in ("hits", "expired", "dropped", "discarded", "misses")})
+        return out
+
+    async def _refresh_pins(self) -> None:
+        try:
+            self._pins = dict(await self.llm.engine_core.call_utility_async("scheduler", "stats"))
+        except Exception as e:  # noqa: BLE001  (metrics keep the last counts)
+            log.debug("pin stats: %s", e)
+
+    async def _open(self, rid: str, prompt: List[int], sampling: SamplingParams, max_tokens: int,
+                    extra: Dict[str, Any], grammar: Any) -> AsyncIterator[Chunk]:
         # arrival_time: a request resumed after a tool call keeps its job's place (InferCept's improved discard)
-        stream = self.llm.generate({"prompt_token_ids": prompt}, VSP(**kw), request_id=rid)
+        stream = self.llm.generate({"prompt_token_ids": prompt}, self._params(sampling, max_tokens, extra, grammar),
+                                   request_id=rid)
         try:
             async for out in stream:
                 o = out.outputs[0]
@@ -165,6 +286,8 @@ class VLLMEngine(RequestEngine):
         return StructuredOutputsParams(**parts)
 
     async def _shutdown(self) -> None:
+        for ctx in list(self.contexts.values()):
+            self._forget(ctx)
         try:
             self.llm.shutdown()
         finally:
@@ -196,7 +319,8 @@ def _resolve_model(model: str) -> str:
 SCHEDULER = "interlace.engine_ext.vllm.scheduler.InterlaceScheduler"
 
 
-def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, profile: Any = None) -> Any:
+def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, profile: Any = None,
+                pins: Optional[Dict[str, float]] = None) -> Any:
     """vLLM's ``AsyncEngineArgs`` for an ``engine: {kind: vllm, ...}`` block."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -218,7 +342,8 @@ def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, pro
                             starvation_threshold=getattr(policy, "starvation_threshold", 100) if policy else 100,
                             refresh_interval=getattr(policy, "refresh_interval", 1) if policy else 1,
                             horizon=getattr(policy, "horizon", "job") if policy else "job",
-                            handling_at_call=bool(getattr(policy, "handling_at_call", False)) if policy else False)
+                            handling_at_call=bool(getattr(policy, "handling_at_call", False)) if policy else False,
+                            pins=pins)
     kw["additional_config"] = {"interlace": conf}
     extra = dict(engine.get("args") or {})
     clash = sorted(set(extra) & {"model", "scheduler_cls", "additional_config"})
@@ -271,21 +396,39 @@ def load_vllm_engine(engine: Dict[str, Any], model_path: str, policy: Any = None
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine["kv_cache_space_gb"])
     ranking = getattr(policy, "ranking", "fcfs") if policy else "fcfs"
     asked = getattr(policy, "interception", "discard") if policy else "discard"
-    if asked not in ("discard", "vllm"):
-        log.info("vLLM handles every interception by discard with prefix reuse (asked: %s)", asked)
-    policy = _replace_policy(policy, ranking=ranking, interception="discard")
+    keep_kv = asked not in ("discard", "vllm")
+    if asked.startswith("swap"):
+        log.info("vLLM 0.32 cannot swap one request's KV to host memory (engine_ext/vllm docstring): "
+                 "interception %s keeps or releases pins by min-waste instead", asked)
+    policy = _replace_policy(policy, ranking=ranking, interception=asked)
     profile = None
     pname = getattr(policy, "profile", "auto")
-    if ranking == "lamps":
+    if ranking == "lamps" or (keep_kv and asked in ("infercept", "heuristic") and pname != "auto"):
         profile = Profile.load(pname) if pname != "auto" else _auto_profile(engine, model_path, policy, name)
         blocks = (engine.get("args") or {}).get("num_gpu_blocks_override")
         if blocks:  # the cache this engine will have, not the measured one's
             bs = (engine.get("args") or {}).get("block_size") or profile.block_size
             profile = dataclasses.replace(profile, kv_capacity_tokens=int(blocks) * int(bs))
-    args = engine_args(engine, model_path, policy, profile)
+    pins = {"budget": float(engine.get("pin_budget", 0.5)), "ttl_s": float(engine.get("pin_ttl_s", 120.0))} \
+        if keep_kv else None
+    if keep_kv:
+        _refuse_unsafe_offload(engine.get("args") or {})
+    args = engine_args(engine, model_path, policy, profile, pins)
     tokenizer = Tokenizer.from_model_dir(args.model, needed_by="the vllm engine")
-    interception = make_interception("discard", profile, ToolDurations())
-    return VLLMEngine(args, tokenizer, name=name, interception=interception)
+    interception = make_interception("discard", profile, ToolDurations())  # the gateway's tool-duration predictor
+    return VLLMEngine(args, tokenizer, name=name, interception=interception, keep_kv=keep_kv)
+
+
+def _refuse_unsafe_offload(args: Dict[str, Any]) -> None:
+    """Kept KV with vLLM's ``OffloadingConnector`` could load a context's old
+    content after it was cut (its per-request offload keys only grow): refused,
+    naming what works (package docstring, "Swap")."""
+    kv = args.get("kv_transfer_config") or {}
+    connector = kv.get("kv_connector") if isinstance(kv, dict) else getattr(kv, "kv_connector", None)
+    if connector == "OffloadingConnector" or (args.get("kv_offloading_size") and not connector):
+        raise ValueError("engine.args: vLLM's OffloadingConnector cannot serve kept (pinned) contexts -- a context "
+                         "continued with other tokens would be looked up under its old content; use "
+                         "kv_connector: SimpleCPUOffloadConnector (with lazy_offload: true), or interception: discard")
 
 
 def _auto_profile(engine: Dict[str, Any], model_path: str, policy: Any, name: str) -> Any:

@@ -44,11 +44,13 @@ from typing import Any, Dict, List, Optional
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from ..policies import ObjectiveRanking, Profile, make_ranking
 from ..policies.fairness import fair_order
 from ..policies.interception import make_interception
 from ..policies.ranking import RankingPolicy, RankState, SchedInfo
+from .pins import _Pinning, _pin_policy
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +60,11 @@ CONFIG_KEY = "interlace"
 class _Item:
     """A waiting vLLM request as a ranking sees it (``arrival`` and ``sched``)."""
 
-    __slots__ = ("req", "arrival", "sched")
+    __slots__ = ("req", "sp", "arrival", "sched")
 
     def __init__(self, req: Any, hint: Dict[str, Any]):
         self.req = req
+        self.sp = req.sampling_params  # a session's next chunk brings new ones (and a new hint)
         self.arrival = float(hint.get("arrival") or req.arrival_time)
         self.sched = SchedInfo(expected_output=hint.get("expected_output"), expected_tool=hint.get("expected_tool"),
                                expected_tool_s=hint.get("expected_tool_s"),
@@ -78,7 +81,9 @@ def build_ranking(conf: Dict[str, Any]) -> RankingPolicy:
     """The ranking named in the frontend's configuration, built as the
     native engine's is (gateway/models.py ``load_engine``)."""
     profile = Profile.from_dict(conf["profile"]) if conf.get("profile") else None
-    interception = make_interception(conf.get("interception", "preserve"), profile) if profile else None
+    # LAMPS predicts the handling vLLM gives: the pins' policy (no swap), or discard where nothing is kept
+    interception = (_pin_policy(conf) if conf.get("pins") else make_interception("discard", profile)) \
+        if profile else None
     return ObjectiveRanking(make_ranking(conf.get("ranking", "fcfs"), profile, interception,
                                          starvation_threshold=int(conf.get("starvation_threshold", 100)),
                                          refresh_interval=int(conf.get("refresh_interval", 1)),
@@ -109,21 +114,23 @@ class _Ranked:
     # -------------------------------------------------------------- the queue
     def _item(self, req: Any) -> _Item:
         item = self._items.get(req.request_id)
-        if item is None or item.req is not req:
+        if item is None or item.req is not req or item.sp is not req.sampling_params:
             item = self._items[req.request_id] = _Item(req, request_hint(req))
         item.refresh()
         return item
 
     def _rank_waiting(self) -> List[_Item]:
-        if self.policy.value != "fcfs" or len(self.waiting) < 2:
-            return [self._item(r) for r in self.waiting]
-        items = [self._item(r) for r in self.waiting]
+        # a session waiting for its next input (its pin released: pins.py) is not work to rank
+        idle = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_STREAMING_REQ]
+        items = [self._item(r) for r in self.waiting if r.status != RequestStatus.WAITING_FOR_STREAMING_REQ]
+        if self.policy.value != "fcfs" or len(items) < 2:
+            return items
         running = Counter(request_hint(r).get("tenant") for r in self.running)
         ordered = fair_order(self.ranking.order(items, self.rank_state()), running)
-        if [i.req for i in ordered] != list(self.waiting):
+        if [i.req for i in ordered] + idle != list(self.waiting):
             self.reordered_steps += 1
             self.waiting.clear()
-            self.waiting.extend(i.req for i in ordered)
+            self.waiting.extend([i.req for i in ordered] + idle)
         return ordered
 
     def rank_state(self) -> RankState:
@@ -155,11 +162,11 @@ class _Ranked:
         return super()._free_request(request, *args, **kwargs)
 
 
-class InterlaceScheduler(_Ranked, Scheduler):
-    """vLLM's scheduler with Interlace's ranking."""
+class InterlaceScheduler(_Pinning, _Ranked, Scheduler):
+    """vLLM's scheduler with Interlace's ranking and pins (:mod:`.pins`)."""
 
 
-class InterlaceAsyncScheduler(_Ranked, AsyncScheduler):
+class InterlaceAsyncScheduler(_Pinning, _Ranked, AsyncScheduler):
     """vLLM's asynchronous scheduler (overlapping scheduling with the
     forward pass; vLLM's default where the executor supports it) with
     Interlace's ranking."""
@@ -171,8 +178,10 @@ ASYNC = f"{__name__}.InterlaceAsyncScheduler"
 
 def interlace_config(ranking: str = "fcfs", profile: Optional[Profile] = None, interception: str = "preserve",
                      starvation_threshold: int = 100, refresh_interval: int = 1, horizon: str = "job",
-                     handling_at_call: bool = False) -> Dict[str, Any]:
-    """What goes into ``additional_config["interlace"]`` (JSON-able: vLLM hashes it)."""
+                     handling_at_call: bool = False, pins: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
+    """What goes into ``additional_config["interlace"]`` (JSON-able: vLLM hashes it).  ``pins``:
+    ``{"budget": fraction of the KV blocks, "ttl_s": seconds}`` where paused requests keep their KV
+    (:mod:`.pins`), None where every pause discards."""
     return {"ranking": ranking, "interception": interception, "starvation_threshold": starvation_threshold,
             "refresh_interval": refresh_interval, "horizon": horizon, "handling_at_call": handling_at_call,
-            "profile": profile.to_dict() if profile else None}
+            "profile": profile.to_dict() if profile else None, "pins": pins}
