@@ -120,6 +120,12 @@ ENGINE_KIND_PROPERTIES = {
         "gpu_memory_utilization": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "max_model_len": {"type": "integer", "minimum": 16},
         "kv_cache_space_gb": {"type": "number", "exclusiveMinimum": 0, "description": "CPU builds of vLLM only"},
+        "pin_budget": {"type": "number", "minimum": 0, "maximum": 1,
+                       "description": "fraction of vLLM's KV blocks that paused or kept contexts may hold (default "
+                                      "0.5); the model's interception policy decides which pause keeps its KV"},
+        "pin_ttl_s": {"type": "number", "exclusiveMinimum": 0,
+                      "description": "seconds a kept context's KV may wait for its resume or follow-up (default "
+                                     "120; a client-side call's pin lives as long as the retention TTL)"},
         "enforce_eager": {"type": "boolean"},
         "max_num_seqs": {"type": "integer", "minimum": 1},
         "max_num_batched_tokens": {"type": "integer", "minimum": 1},

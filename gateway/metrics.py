@@ -82,6 +82,8 @@ class Metrics:
         # per engine replica (engine_ext/replicas.py; an engine alone is replica "0"), read at scrape time
         self.replicas = ReplicaCollector()
         r.register(self.replicas)
+        self.pins = PinCollector()
+        r.register(self.pins)
         # client-side tool calls: contexts retained for the follow-up request (gateway/retention.py)
         self.retention_hits = Counter("interlace_retention_hits", "Requests that adopted a retained context",
                                       ["model"], registry=r)
@@ -109,6 +111,7 @@ class Metrics:
         self.kv_blocks_total.labels(model).set_function(lambda: _stat(engine, "kv_blocks_total"))
         self.engine_threads.labels(model).set_function(lambda: _stat(engine, "threads"))
         self.replicas.engines.append((model, engine))
+        self.pins.engines.append((model, engine))
 
     def bind_routes(self, routes: Iterable[BaseRoute]) -> None:
         """Count requests by the templates of ``routes`` (the application's route table)."""
@@ -212,3 +215,47 @@ class ReplicaCollector:
             yield family
         yield contexts
         yield routed
+
+
+class PinCollector:
+    """Pins of engines that keep paused or retained contexts' KV in a cache
+    that is not Interlace's own (vLLM: engine_ext/vllm/pins.py), read from
+    the engine's load stats when scraped (the ``pinned_blocks``, ``pinned``,
+    ``pin_<outcome>`` and ``recomputed_after_resume`` keys; an engine
+    without them has no such metrics) -- the counts of the engine core's
+    last answer, each read asking for the next, so a scrape never waits on
+    the engine."""
+
+    OUTCOMES = (("hits", "hit"), ("expired", "expired"), ("dropped", "dropped"), ("discarded", "discarded"),
+                ("misses", "miss"))
+
+    def __init__(self) -> None:
+        self.engines: List[Tuple[str, Any]] = []
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())
+
+    def collect(self) -> Iterator[Any]:
+        blocks = GaugeMetricFamily("interlace_pinned_kv_blocks", "KV blocks held by paused or retained contexts "
+                                   "waiting for their resume or follow-up", labels=["model"])
+        held = GaugeMetricFamily("interlace_pinned_contexts", "Paused or retained contexts holding KV now",
+                                 labels=["model"])
+        outcomes = CounterMetricFamily(
+            "interlace_pins", "Pins by outcome: hit (resumed on its KV), expired (its TTL passed), dropped (over "
+            "the pin budget, or running requests needed the blocks), discarded (the interception policy released "
+            "it at the call), miss (resumed after a release)", labels=["model", "outcome"])
+        recomputed = CounterMetricFamily("interlace_resume_recomputed_tokens", "Tokens of paused contexts "
+                                         "computed again at their resume", labels=["model"])
+        for model, engine in self.engines:
+            st = engine_stats(engine) or {}
+            if "pinned_blocks" not in st:
+                continue
+            blocks.add_metric([model], float(st.get("pinned_blocks", 0)))
+            held.add_metric([model], float(st.get("pinned", 0)))
+            for key, label in self.OUTCOMES:
+                outcomes.add_metric([model, label], float(st.get(f"pin_{key}", 0)))
+            recomputed.add_metric([model], float(st.get("recomputed_after_resume", 0)))
+        yield blocks
+        yield held
+        yield outcomes
+        yield recomputed

@@ -186,7 +186,7 @@ class RetentionStore:
         try:
             tool = client_tool(entry.tool)
             await self.engine.park(entry.ctx, PauseHint(tool=tool, expected_duration_s=self.gaps.estimate(tool),
-                                                        extra={"client_side": True}))
+                                                        extra={"client_side": True, "ttl_s": self.spec.ttl_s}))
         except EngineError as e:  # the context is not usable: never keep a broken one
             log.warning("could not park retained context %r: %s", entry.ctx, e)
             if self.entries.get(entry.ctx) is entry:
