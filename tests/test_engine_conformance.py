@@ -67,7 +67,18 @@ def _vllm(smol_dir: Path):
                              "kv_cache_space_gb": 1, "max_model_len": 2048}, str(smol_dir), None)
 
 
-ENGINES = {"native": _native, "native-process": _native_process, "replicas": _replicas, "vllm": _vllm}
+def _vllm_keep(smol_dir: Path):
+    """vLLM keeping each context's KV between segments (pins: engine_ext/vllm/pins.py)."""
+    from interlace.engine_ext.policies import PolicySpec
+    from interlace.engine_ext.vllm import load_vllm_engine
+
+    return load_vllm_engine({"kind": "vllm", "model": str(smol_dir), "dtype": "float32", "enforce_eager": True,
+                             "kv_cache_space_gb": 1, "max_model_len": 2048}, str(smol_dir),
+                            PolicySpec(ranking="fcfs", interception="preserve"))
+
+
+ENGINES = {"native": _native, "native-process": _native_process, "replicas": _replicas, "vllm": _vllm,
+           "vllm-keep": _vllm_keep}
 
 
 async def _maybe_await(x: Any) -> Any:

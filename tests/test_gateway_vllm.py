@@ -129,3 +129,30 @@ def test_semantic_variables_dag_equals_the_native_engines(live):
     values = run("vllm")
     assert all(isinstance(v, str) and v for v in values), values
     assert values == run("native")
+
+
+def test_a_client_side_tool_calls_follow_up_resumes_on_the_kept_kv(live, client):
+    """Issue 37: the context of a reply that ends with a client-side tool call
+    stays pinned inside vLLM (the retention store parks it); the follow-up with
+    the tool's result decodes on it, so its cached tokens go past the whole
+    blocks a prefix cache could give, and /metrics counts the pin's hit."""
+    import httpx
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    msgs = [{"role": "user", "content": "I am planning a walk along the Seine this afternoon. " * 8
+             + "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="vllm", messages=msgs, tools=[WEATHER], max_tokens=60,
+                                       extra_body={"interlace": {"replay": call}})
+    (tc,) = r.choices[0].message.tool_calls
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": tc.id, "type": "function", "function": {"name": tc.function.name,
+                                                        "arguments": tc.function.arguments}}]},
+        {"role": "tool", "tool_call_id": tc.id, "content": "21 C and sunny"}]
+    r2 = client.chat.completions.create(model="vllm", messages=follow, tools=[WEATHER], max_tokens=8, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r.usage.prompt_tokens, (cached, r.usage, r2.usage)
+    assert cached > (r2.usage.prompt_tokens - 1) // 128 * 128  # more than the prefix cache's whole blocks
+    text = httpx.get(live.url + "/metrics").text
+    text = httpx.get(live.url + "/metrics").text  # one scrape behind: the first read asks for fresh counts
+    hits = [ln for ln in text.splitlines() if ln.startswith('interlace_pins_total{model="vllm",outcome="hit"}')]
+    assert hits and float(hits[0].split()[-1]) >= 1, hits
