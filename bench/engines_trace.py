@@ -13,7 +13,11 @@ Engines (each fresh, the embedded model in float32, one after another):
 * ``vllm`` -- vLLM inside Interlace (:class:`~engine_ext.vllm.VLLMEngine`)
   with Interlace's default policies: LAMPS ranking inside vLLM's scheduler
   (profile measured through the engine, cached), the job's arrival kept
-  across tool calls, the trace's lengths as hints.
+  across tool calls, the trace's lengths as hints, and a paused request's
+  KV kept inside vLLM by InferCept's min-waste (pins, issue 37).
+* ``vllm-discard`` -- the same with ``interception: discard``: every pause
+  aborts the vLLM request and the resume recomputes what the prefix cache
+  lost (vLLM in Interlace before issue 37).
 * ``native`` -- the native engine as the gateway builds it (InferCept's
   handling + LAMPS, its measured profile).
 * ``native-x2`` -- two native engines in worker processes (one torch thread
@@ -39,9 +43,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-ENGINES = ("vllm-server", "vllm", "native", "native-x1", "native-x2")
+ENGINES = ("vllm-server", "vllm", "vllm-discard", "native", "native-x1", "native-x2")
 VLLM_CPU_BLOCK = 128  # vLLM's CPU build's KV block size
 VLLM = {"kind": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_space_gb": 1, "max_model_len": 2048}
 
@@ -59,7 +63,8 @@ def parse_engines(text: str) -> List[str]:
 class _Server:
     """``vllm serve`` on a free loopback port, for the stock-vLLM baseline."""
 
-    def __init__(self, model: str, blocks: Optional[int] = None):
+    def __init__(self, model: str, blocks: Optional[int] = None, max_model_len: int = 2048,
+                 extra_args: Sequence[str] = ()):
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         import socket
 
@@ -71,9 +76,9 @@ class _Server:
         env, self.ipc_dir = server_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})  # the dir: removed at close
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
-             "--enforce-eager", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(self.port),
-             "--enable-prefix-caching", "--structured-outputs-config.backend", "guidance"]
-            + (["--num-gpu-blocks-override", str(blocks)] if blocks else []),
+             "--enforce-eager", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port",
+             str(self.port), "--enable-prefix-caching", "--structured-outputs-config.backend", "guidance"]
+            + (["--num-gpu-blocks-override", str(blocks)] if blocks else []) + list(extra_args),
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         import httpx
 
@@ -132,12 +137,17 @@ def build_engine(name: str, model: str, threads: int = 0, kv_tokens: Optional[in
             eng.close()
             server.close()
         return eng, close, "vllm serve (FCFS, prefix caching) over HTTP"
-    if name == "vllm":
+    if name in ("vllm", "vllm-discard"):
+        import dataclasses
+
         from interlace.engine_ext.vllm import load_vllm_engine
 
+        if name == "vllm-discard":
+            policy = dataclasses.replace(policy, interception="discard")
         eng = load_vllm_engine({**VLLM, **({"args": {"num_gpu_blocks_override": vllm_blocks}} if vllm_blocks else {})},
                                model, policy)
-        return eng, eng.close, "vLLM in process, LAMPS in its scheduler"
+        how = "pauses keep their KV (pins, min-waste)" if eng.keep_kv else "pauses discard (prefix reuse)"
+        return eng, eng.close, f"vLLM in process, LAMPS in its scheduler, {how}"
     if name == "native":
         from interlace.engine_ext.native.setup import build_native_engine
 
@@ -194,12 +204,20 @@ def run_engine(name: str, model: str, trace: Any, seed: int, threads: int = 0,
                                                   problems=problems) for r in trace.requests))
             return time.monotonic() - t0
         wall = asyncio.run(go())
+        # what resumes computed again, where the engine says it at the resume (vLLM in process); a vLLM server
+        # reports its cache hits only at a request's end, which a request cut by a pause never reaches
+        resumes = dict(getattr(eng, "resume_counts", None) or {}) if name != "vllm-server" else {}
+        pins = asyncio.run(eng.fetch_pin_stats()) if getattr(eng, "keep_kv", False) else {}
     finally:
         close()
     if problems:
         raise RuntimeError(f"{name}: forced decoding did not replay the trace exactly: " + "; ".join(problems[:5]))
     return summarize(records, wall, float("nan"), {"notes": [note], "norm_latency_mean": mean_norm_latency(records),
-                                                   "non_tool_mean": mean_non_tool(records)})
+                                                   "non_tool_mean": mean_non_tool(records), "resumes": resumes,
+                                                   "pins": {k: pins.get(k, 0) for k in PIN_KEYS}})
+
+
+PIN_KEYS = ("hits", "expired", "dropped", "discarded", "misses")
 
 
 def run_engines(args: Any, base: Any, rates: List[float], per_rate: Callable[[Any, float], Any]) -> int:
@@ -228,6 +246,11 @@ def run_engines(args: Any, base: Any, rates: List[float], per_rate: Callable[[An
         print_table(r, names, grid[r], {n: _Label(n) for n in names}, {})
         for n in names:
             print(f"  {n}: {'; '.join(grid[r][n]['notes'])}")
+            rs, pins = grid[r][n].get("resumes") or {}, grid[r][n].get("pins") or {}
+            if rs.get("resumes"):
+                print(f"    resumes {rs['resumes']}: {rs['recomputed_after_resume']} of their "
+                      f"{rs['paused_context_tokens']} paused-context tokens computed again"
+                      + (f"; pins {', '.join(f'{k} {pins[k]}' for k in PIN_KEYS)}" if any(pins.values()) else ""))
         first = grid[r][names[0]]
         for n in names[1:]:
             a, b = first.get("norm_latency_p50"), grid[r][n].get("norm_latency_p50")
@@ -246,4 +269,5 @@ class _Label:
 
     def __init__(self, name: str):
         self.name = name
-        self.label = {"vllm-server": "vllm, fcfs, on", "vllm": "discard, lamps, on"}.get(name, "infercept, lamps, on")
+        self.label = {"vllm-server": "vllm, fcfs, on", "vllm-discard": "discard, lamps, on"}.get(
+            name, "infercept, lamps, on")

@@ -204,7 +204,7 @@ def _info_value(value) -> str:
 
 #: ``interlace bench NAME``: the module of interlace.bench whose ``main`` runs it
 BENCHMARKS = {"engine": "engine", "tools": "tools", "trace": "trace", "apps": "apps", "langchain": "langchain_apps",
-              "zoo": "zoo"}
+              "zoo": "zoo", "jobs": "agent_jobs"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
