@@ -156,8 +156,9 @@ def test_a_released_pin_frees_its_blocks_and_the_resume_still_continues(keep):
 
 @pytest.fixture(scope="module")
 def small(smol_dir):
-    """24 blocks of 128 tokens; pins may hold a quarter of them (5 blocks)."""
-    eng = _engine(smol_dir, pin_budget=0.25, args={"num_gpu_blocks_override": 24})
+    """24 blocks of 128 tokens; pins may hold a quarter of them (5 blocks); 8 request slots, so at
+    most 4 sessions."""
+    eng = _engine(smol_dir, pin_budget=0.25, max_num_seqs=8, args={"num_gpu_blocks_override": 24})
     yield eng
     eng.close()
 
@@ -218,6 +219,26 @@ def test_the_pin_budget_holds_under_a_burst_of_pauses(small):
     assert asyncio.run(eng.fetch_pin_stats())["sessions"] == 0
 
 
+def test_sessions_leave_half_of_vllms_request_slots_to_new_work(small):
+    """A waiting session keeps its vLLM request slot: six paused contexts on an engine of 8 slots
+    hold at most 4 sessions (the rest decode as plain requests), and all of them finish."""
+    eng = small
+    assert eng.max_sessions == 4
+
+    async def go():
+        streams = await asyncio.gather(*(_paused(eng, f"s{i}", prompt_words=20) for i in range(6)))
+        mid = await eng.fetch_pin_stats()
+        reasons = []
+        for i, (stream, _) in enumerate(streams):
+            reasons.append((await _resume_to_end(eng, f"s{i}", stream, eng.tokenizer.encode(" ok")))[1])
+            await eng.free_context(f"s{i}")
+        return mid, reasons
+
+    mid, reasons = asyncio.run(go())
+    assert mid["sessions"] <= 4 and reasons == ["stop"] * 6
+    assert asyncio.run(eng.fetch_pin_stats())["sessions"] == 0
+
+
 def test_a_killed_engine_core_leaves_no_pin_accounting_behind(smol_dir):
     eng = _engine(smol_dir)
     try:
@@ -240,3 +261,13 @@ def test_a_killed_engine_core_leaves_no_pin_accounting_behind(smol_dir):
             asyncio.run(eng.fetch_pin_stats())
     finally:
         eng.close()
+
+
+def test_offloading_connector_is_refused_with_kept_kv_before_vllm_starts(smol_dir):
+    """Its per-request offload keys only grow: a kept context continued with other tokens would be
+    looked up under its old content (engine_ext/vllm/__init__.py, "Swap")."""
+    bad = {"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}
+    with pytest.raises(ValueError, match="OffloadingConnector cannot serve kept"):
+        _engine(smol_dir, args=bad)
+    with pytest.raises(ValueError, match="SimpleCPUOffloadConnector"):
+        _engine(smol_dir, args={"kv_offloading_size": 4})

@@ -89,10 +89,14 @@ What it cannot do (and the native engine can)
   session ends, its whole blocks stay in the prefix cache): vLLM 0.32's
   model runner keeps a session's first chunk's random generator.
 * Sessions hold a model-runner slot while they wait (they count towards
-  ``max_num_seqs``).
-* Interception-aware LAMPS needs a cost-model profile; ``profile: auto``
-  measures the native engine only, so with no profile file the vLLM
-  engine ranks by SJF-total (logged at start-up).
+  ``max_num_seqs``), so at most half of ``max_num_seqs`` contexts keep a
+  session: a new one ends the least recently used idle context's session,
+  or, with none idle, decodes as a plain request (discard with prefix
+  reuse) -- new work always finds a slot.
+* InferCept's min-waste decision at a pause needs a cost-model profile (a
+  profile file, or LAMPS' ``profile: auto``, measured through this engine
+  once and cached); without one every pause keeps its KV, bounded by the
+  budget and the TTL.
 * Arbitrary Python logits processors (only the gateway's grammars), the
   KeyGuard's duplicate-key check of constrained JSON, ``last_logits``.
 * A request already queued in vLLM keeps the hint it was submitted with

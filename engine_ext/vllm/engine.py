@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Tuple
 
@@ -131,6 +132,10 @@ class VLLMEngine(RequestEngine):
         self.block_size = int(cfg.cache_config.block_size)
         self.num_blocks = int(getattr(cfg.cache_config, "num_gpu_blocks", 0) or 0)
         self.max_batched_tokens = int(cfg.scheduler_config.max_num_batched_tokens)
+        #: sessions hold a vLLM request slot while they wait: at most half of max_num_seqs, so new work
+        #: always finds slots (the least recently used idle context's session ends first; else a plain request)
+        self.max_sessions = max(1, int(cfg.scheduler_config.max_num_seqs) // 2)
+        self._sessions_lru: "OrderedDict[Any, Any]" = OrderedDict()
         mc = cfg.model_config
         self.kv_bytes_per_token = (2 * mc.get_num_layers(cfg.parallel_config) * mc.get_total_num_kv_heads()
                                    * mc.get_head_size() * mc.dtype.itemsize)
@@ -162,6 +167,8 @@ class VLLMEngine(RequestEngine):
             return super()._stream(ctx, rid, prompt, sampling, max_tokens, extra, grammar)
         from .sessions import Segment
 
+        if not self._session_slot(ctx):
+            return super()._stream(ctx, rid, prompt, sampling, max_tokens, extra, grammar)
         stops = set() if sampling.ignore_eos else set(self.eos_token_ids)
         stops |= set(sampling.stop_token_ids)
 
@@ -171,7 +178,26 @@ class VLLMEngine(RequestEngine):
             return self._params(sampling, max_tokens, chunk, grammar)
         return Segment(self, ctx, prompt, params, bool(sampling.logprobs))
 
+    def _session_slot(self, ctx: Any) -> bool:
+        """Whether ``ctx`` may decode in a session: it has one, or one is free
+        or can be freed (the least recently used idle context's ends)."""
+        lru = self._sessions_lru
+        if ctx.backend is not None and ctx.backend.state != "ended":
+            lru[ctx.id] = ctx
+            lru.move_to_end(ctx.id)
+            return True
+        lru.pop(ctx.id, None)
+        while len(lru) >= self.max_sessions:
+            idle = next((c for c in lru.values() if c.gen is None and not c.busy), None)
+            if idle is None:
+                return False
+            self._forget(idle)
+        lru[ctx.id] = ctx
+        return True
+
     def _forget(self, ctx: Any) -> None:
+        if self._sessions_lru.get(ctx.id) is ctx:
+            del self._sessions_lru[ctx.id]
         if ctx.backend is not None:
             ctx.backend.end()
             ctx.backend = None
