@@ -15,6 +15,9 @@ Engines (each fresh, the embedded model in float32, one after another):
   (profile measured through the engine, cached), the job's arrival kept
   across tool calls, the trace's lengths as hints, and a paused request's
   KV kept inside vLLM by InferCept's min-waste (pins, issue 37).
+* ``vllm-preserve`` -- the same with ``interception: preserve``: every
+  pause keeps its KV, bounded only by the pin budget, the running
+  requests' need and the TTL (the mechanism without InferCept's choice).
 * ``vllm-discard`` -- the same with ``interception: discard``: every pause
   aborts the vLLM request and the resume recomputes what the prefix cache
   lost (vLLM in Interlace before issue 37).
@@ -45,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-ENGINES = ("vllm-server", "vllm", "vllm-discard", "native", "native-x1", "native-x2")
+ENGINES = ("vllm-server", "vllm", "vllm-preserve", "vllm-discard", "native", "native-x1", "native-x2")
 VLLM_CPU_BLOCK = 128  # vLLM's CPU build's KV block size
 VLLM = {"kind": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_space_gb": 1, "max_model_len": 2048}
 
@@ -137,13 +140,13 @@ def build_engine(name: str, model: str, threads: int = 0, kv_tokens: Optional[in
             eng.close()
             server.close()
         return eng, close, "vllm serve (FCFS, prefix caching) over HTTP"
-    if name in ("vllm", "vllm-discard"):
+    if name in ("vllm", "vllm-preserve", "vllm-discard"):
         import dataclasses
 
         from interlace.engine_ext.vllm import load_vllm_engine
 
-        if name == "vllm-discard":
-            policy = dataclasses.replace(policy, interception="discard")
+        if name != "vllm":
+            policy = dataclasses.replace(policy, interception=name.split("-")[1])
         eng = load_vllm_engine({**VLLM, **({"args": {"num_gpu_blocks_override": vllm_blocks}} if vllm_blocks else {})},
                                model, policy)
         how = "pauses keep their KV (pins, min-waste)" if eng.keep_kv else "pauses discard (prefix reuse)"
@@ -269,5 +272,5 @@ class _Label:
 
     def __init__(self, name: str):
         self.name = name
-        self.label = {"vllm-server": "vllm, fcfs, on", "vllm-discard": "discard, lamps, on"}.get(
-            name, "infercept, lamps, on")
+        self.label = {"vllm-server": "vllm, fcfs, on", "vllm-discard": "discard, lamps, on",
+                      "vllm-preserve": "preserve, lamps, on"}.get(name, "infercept, lamps, on")

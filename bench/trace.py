@@ -863,8 +863,9 @@ def add_trace_arguments(ap: argparse.ArgumentParser) -> None:
                     help="native: also simulate the same traces with the same profile, and print both orders "
                          "of the variants and the simulator/engine ratios (the simulator's validation)")
     ap.add_argument("--engines", help="instead of policy variants: the same trace on these engines, comma-"
-                    "separated: vllm-server (stock vLLM over HTTP), vllm (vLLM in Interlace), native, native-x1, "
-                    "native-x2 (two worker replicas behind a ReplicaSet); see bench/engines_trace.py")
+                    "separated: vllm-server (stock vLLM over HTTP), vllm (vLLM in Interlace: pins by min-waste), "
+                    "vllm-preserve, vllm-discard, native, native-x1, native-x2 (two worker replicas behind a "
+                    "ReplicaSet); see bench/engines_trace.py")
     ap.add_argument("--engine-kv-tokens", type=int, help="--engines: every engine's KV cache in tokens (default: "
                     "each engine's own: 16384 native, vLLM's from kv_cache_space_gb)")
     ap.add_argument("--out-png", help="save the plot here")
