@@ -246,6 +246,20 @@ SCHEMA = {
                             "description": "SIGTERM: seconds in-flight requests get to finish before each is "
                                            "ended with a 503 (or an error event and [DONE])"},
                 "per_key": PER_KEY_SCHEMA,
+                "responses": {
+                    "type": "object", "additionalProperties": False,
+                    "description": "stored Responses-API responses (POST /v1/responses with store: true; "
+                                   "docs/config.md)",
+                    "properties": {"enabled": {"type": "boolean",
+                                               "description": "false: nothing is stored, previous_response_id "
+                                                              "is unknown"},
+                                   "path": {"type": "string", "minLength": 1,
+                                            "description": "the SQLite file (relative: to the config file); "
+                                                           "':memory:' keeps them in memory only"},
+                                   "ttl_s": {"type": "number", "exclusiveMinimum": 0,
+                                             "description": "seconds a stored response is kept (default 30 days)"},
+                                   "max_per_key": {"type": "integer", "minimum": 1,
+                                                   "description": "stored responses one API key holds at once"}}},
                 "sessions": {
                     "type": "object", "additionalProperties": False,
                     "description": "Semantic Variables sessions (docs/semantic-variables.md)",
@@ -432,6 +446,11 @@ class McpServerSpec:
 MCP_SERVER_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 
 
+#: The Responses API's ``{"type": "mcp", "server_label": "interlace"}``: the gateway's own plugin tools
+#: (no configured MCP server may take the name).
+RESERVED_MCP_LABEL = "interlace"
+
+
 def _mcp_servers(raw: Dict[str, Any], source: str) -> Dict[str, McpServerSpec]:
     """``mcp_servers`` entries to specs, each either stdio or HTTP, with a message per mistake."""
     out: Dict[str, McpServerSpec] = {}
@@ -440,6 +459,9 @@ def _mcp_servers(raw: Dict[str, Any], source: str) -> Dict[str, McpServerSpec]:
         if not MCP_SERVER_NAME.match(name):
             raise ConfigError(f"{where}: a server name is 1-32 letters, digits, '_' or '-' (its tools are "
                               f"named SERVER.TOOL, so no dots)")
+        if name == RESERVED_MCP_LABEL:
+            raise ConfigError(f"{where}: the name {RESERVED_MCP_LABEL!r} is reserved: in the Responses API "
+                              f"the MCP server_label {RESERVED_MCP_LABEL!r} names the gateway's own plugin tools")
         if ("command" in m) == ("url" in m):
             raise ConfigError(f"{where}: give either command (a stdio server) or url (a streamable HTTP server)"
                               + (", not both" if "command" in m else ""))
@@ -472,6 +494,25 @@ class SessionsConfig:
     max_bytes: int = 16 * 1024 * 1024
 
 
+def default_state_dir() -> str:
+    """Where the gateway keeps what outlives a process (the stored responses):
+    ``$INTERLACE_STATE_DIR``, else ``${XDG_STATE_HOME:-~/.local/state}/interlace``."""
+    if os.environ.get("INTERLACE_STATE_DIR"):
+        return os.environ["INTERLACE_STATE_DIR"]
+    return os.path.join(os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "interlace")
+
+
+@dataclass(frozen=True)
+class ResponsesConfig:
+    """``server.responses``: the Responses API's stored responses (gateway/responses/store.py).
+    OpenAI keeps a stored response 30 days; so does the default here."""
+
+    enabled: bool = True
+    path: str = ""          # "" until parse_config fills in default_state_dir()/responses.sqlite3
+    ttl_s: float = 30 * 86400.0
+    max_per_key: int = 10_000
+
+
 @dataclass(frozen=True)
 class ConnectionsConfig:
     """``server.connections``: how many connections, and how long a client may take to send a request."""
@@ -499,6 +540,7 @@ class GatewayConfig:
     cors_origins: List[str] = field(default_factory=list)
     default_max_tokens: int = 1024
     sessions: SessionsConfig = field(default_factory=SessionsConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     per_key: PerKeyLimits = field(default_factory=PerKeyLimits)  # server.per_key, the defaults filled in
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
     drain_s: float = 30.0  # server.drain_s: SIGTERM's grace for in-flight requests
@@ -602,6 +644,7 @@ def parse_config(data: Any, source: str = "<dict>", *, require_secrets: bool = T
                          models=models, plugin_entrypoints=plugins["entrypoints"],
                          plugin_modules=list(plugins["modules"]), tools=dict(data.get("tools") or {}),
                          sessions=_sessions(server.get("sessions") or {}, source), per_key=_per_key(server, source),
+                         responses=_responses(server.get("responses") or {}, source),
                          connections=ConnectionsConfig(**{k: (float(v) if k.endswith("_s") else v)
                                                           for k, v in (server.get("connections") or {}).items()}),
                          drain_s=float(server.get("drain_s", 30.0)), source=source, raw=data,
@@ -651,6 +694,19 @@ def _replicas(raw: Dict[str, Any], path: str, native_args: Dict[str, Any], where
                               f"drop {where}.engine (or give replicas as a number)")
         return [engine_dict(e, path, native_args, sized) for e in replicas]
     return [engine_dict(engine, path, native_args, sized) for _ in range(replicas)]
+
+
+def _responses(raw: Dict[str, Any], source: str) -> ResponsesConfig:
+    """``server.responses`` with its defaults; a relative ``path`` is relative to the config file."""
+    path = raw.get("path") or os.path.join(default_state_dir(), "responses.sqlite3")
+    if path != ":memory:":
+        path = os.path.expanduser(path)
+        if not os.path.isabs(path) and os.path.isfile(source):
+            path = os.path.join(os.path.dirname(os.path.abspath(source)), path)
+        path = os.path.abspath(path)
+    return ResponsesConfig(enabled=raw.get("enabled", True), path=path,
+                           ttl_s=float(raw.get("ttl_s", ResponsesConfig.ttl_s)),
+                           max_per_key=raw.get("max_per_key", ResponsesConfig.max_per_key))
 
 
 def _sessions(raw: Dict[str, Any], source: str) -> SessionsConfig:

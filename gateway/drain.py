@@ -15,7 +15,8 @@ the streaming response's close) -- and ends each in the API's terms:
 * a response not started: 503 ``{"error": {"type": "server_error", "code":
   "shutting_down"}}`` with ``Retry-After``;
 * a started ``text/event-stream``: the error as an event, then ``data: [DONE]``
-  (the shape the routes use for a mid-stream error);
+  (the shape the routes use for a mid-stream error; the Responses and Messages
+  APIs' typed streams end with their own ``error`` event: :func:`stream_ending`);
 * any other started response cannot be completed truthfully: the connection
   is closed, so the client sees it incomplete rather than a cut body as whole.
 
@@ -31,7 +32,7 @@ import json
 import logging
 from typing import Any, Callable, Dict, Optional
 
-from .errors import RETRY_AFTER_S, APIError
+from .errors import RETRY_AFTER_S, APIError, dialect
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,9 @@ SHUTTING_DOWN = APIError(503, "the server is shutting down; retry the request", 
 class _Flight:
     """One request in flight: its app task and what of its response went out."""
 
-    def __init__(self, send: Callable[[Dict[str, Any]], Any]) -> None:
+    def __init__(self, send: Callable[[Dict[str, Any]], Any], path: str = "") -> None:
         self.send = send
+        self.path = path
         self.task: Optional[asyncio.Task] = None
         self.started = self.complete = self.event_stream = self.ended = False
 
@@ -66,10 +68,10 @@ class _Flight:
     async def finish(self) -> None:
         """The proper end of a response its app did not complete."""
         if not self.started:
-            await _send_error(self.send, SHUTTING_DOWN.status, SHUTTING_DOWN.body(), SHUTTING_DOWN.headers)
+            await _send_error(self.send, SHUTTING_DOWN.status, SHUTTING_DOWN.body(dialect(self.path)),
+                              SHUTTING_DOWN.headers)
         elif self.event_stream:
-            body = f"data: {json.dumps(SHUTTING_DOWN.body())}\n\ndata: [DONE]\n\n".encode()
-            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+            await self.send({"type": "http.response.body", "body": stream_ending(self.path), "more_body": False})
         else:  # returning without completing it: uvicorn closes the connection
             log.warning("a started response (not an event stream) cut by the shutdown: its connection is closed")
 
@@ -118,9 +120,10 @@ class DrainMiddleware:
             if scope["path"] == "/health":
                 await _send_error(send, 503, {"status": "draining"}, {"Retry-After": str(RETRY_AFTER_S)})
             else:
-                await _send_error(send, SHUTTING_DOWN.status, SHUTTING_DOWN.body(), SHUTTING_DOWN.headers)
+                await _send_error(send, SHUTTING_DOWN.status, SHUTTING_DOWN.body(dialect(scope["path"])),
+                                  SHUTTING_DOWN.headers)
             return
-        flight = _Flight(send)
+        flight = _Flight(send, scope["path"])
         flight.task = asyncio.ensure_future(self.app(scope, receive, flight.forward))
         self.drain.flights.add(flight)
         try:
@@ -135,6 +138,18 @@ class DrainMiddleware:
                 self.drain.flights.discard(flight)
         if not flight.task.cancelled():
             flight.task.result()  # the app's own exception, if any, goes on up
+
+
+def stream_ending(path: str) -> bytes:
+    """The last bytes of an event stream the drain ends, in the API's own terms: chat and text
+    completions an error event then ``[DONE]``; the Responses API an ``error`` event (its typed
+    stream has no ``[DONE]``); the Messages API Anthropic's ``event: error``."""
+    if dialect(path) == "anthropic":
+        return f"event: error\ndata: {json.dumps(SHUTTING_DOWN.body('anthropic'))}\n\n".encode()
+    if path.startswith("/v1/responses"):
+        event = {"type": "error", "code": SHUTTING_DOWN.code, "message": SHUTTING_DOWN.message, "param": None}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+    return f"data: {json.dumps(SHUTTING_DOWN.body())}\n\ndata: [DONE]\n\n".encode()
 
 
 async def _send_error(send: Any, status: int, body: Dict[str, Any], headers: Optional[Dict[str, str]]) -> None:

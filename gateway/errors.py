@@ -7,7 +7,9 @@ handlers (:func:`exception_handlers`, which ``create_app`` passes to
 Starlette).  Routes never wrap themselves.
 
 The body is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` on
-every route -- the official clients retry 5xx, so a bad request must never
+every route but the Anthropic Messages API's (``/v1/messages...``), which
+answers in Anthropic's ``{"type": "error", "error": {"type", "message"}}``
+(:func:`dialect`; the middleware's refusals too) -- the official clients retry 5xx, so a bad request must never
 look like a server failure.  Engine errors are mapped here too
 (:func:`engine_error`), once for the chat route and the semantic calls: a
 context too long is the client's mistake (400), an engine that is gone a 503
@@ -76,11 +78,40 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers  # extra response headers (Retry-After of a 503)
 
-    def body(self) -> Dict[str, Any]:
+    def body(self, dialect: str = "openai") -> Dict[str, Any]:
+        """The error body in OpenAI's shape, or (``dialect="anthropic"``) in Anthropic's."""
+        if dialect == "anthropic":
+            return anthropic_body(self)
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the route at ``path`` answers it (its API's shape: :func:`dialect`)."""
+        return JSONResponse(self.body(dialect(path)), status_code=self.status, headers=self.headers)
+
+
+#: Path prefixes answered in Anthropic's error shape (the Messages API wing, gateway/anthropic/).
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+#: Anthropic's error ``type`` by HTTP status (docs.anthropic.com, "Errors"); others: by class of status.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def dialect(path: str) -> str:
+    """Which API's error shape the route at ``path`` speaks: ``"anthropic"`` or ``"openai"``."""
+    return "anthropic" if path == ANTHROPIC_PATHS[0] or path.startswith(tuple(p + "/" for p in ANTHROPIC_PATHS)) \
+        else "openai"
+
+
+def anthropic_body(err: APIError) -> Dict[str, Any]:
+    """``err`` in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.  Anthropic's
+    errors have no ``param``: the field at fault leads the message (``"max_tokens: ..."``)."""
+    type_ = ANTHROPIC_TYPES.get(err.status) or ("invalid_request_error" if err.status < 500 else "api_error")
+    message = err.message
+    if err.param and not message.startswith(err.param):
+        message = f"{err.param}: {message}"
+    return {"type": "error", "error": {"type": type_, "message": message}}
 
 
 #: The HTTP status of each domain error.
@@ -121,7 +152,7 @@ def exception_handlers(metrics: Any) -> Dict[Any, Callable[[Request, Exception],
 
     def refused(request: Request, err: APIError) -> Response:
         metrics.request(request.url.path, "", err.status)
-        return err.response()
+        return err.response(request.url.path)
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
@@ -141,14 +172,14 @@ def exception_handlers(metrics: Any) -> Dict[Any, Callable[[Request, Exception],
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = {404: f"no such endpoint: {request.url.path}",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
-        return JSONResponse(APIError(exc.status_code, message, code=code).body(), status_code=exc.status_code,
-                            headers=exc.headers)
+        return JSONResponse(APIError(exc.status_code, message, code=code).body(dialect(request.url.path)),
+                            status_code=exc.status_code, headers=exc.headers)
 
     async def on_server_error(request: Request, exc: Exception) -> Response:
         # Starlette logs the traceback (the exception is re-raised after this answer).
         return JSONResponse(APIError(500, f"internal server error ({type(exc).__name__}); the gateway's log "
-                                          "has the details", "server_error", code="internal_error").body(),
-                            status_code=500)
+                                          "has the details", "server_error", code="internal_error").body(
+                                              dialect(request.url.path)), status_code=500)
 
     return {APIError: on_api_error, GatewayError: on_domain_error, ClientGone: on_client_gone,
             HTTPException: on_http_error, Exception: on_server_error}

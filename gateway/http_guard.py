@@ -41,7 +41,7 @@ BEARER_REALM = 'Bearer realm="interlace"'
 def unauthorized(message: str, request: Request) -> APIError:
     """A 401 in the API's shape with its ``WWW-Authenticate`` challenge; ``error="invalid_token"``
     only when a token was sent (RFC 6750 3.1: a request without credentials gets no error code)."""
-    challenge = BEARER_REALM + (', error="invalid_token"' if bearer_token(request) else "")
+    challenge = BEARER_REALM + (', error="invalid_token"' if api_key_token(request) else "")
     return APIError(401, message, "invalid_request_error", code="invalid_api_key",
                     headers={"WWW-Authenticate": challenge})
 
@@ -52,6 +52,12 @@ def bearer_token(request: Request) -> str:
     return auth[7:].strip() if auth[:7].lower() == "bearer " else ""
 
 
+def api_key_token(request: Request) -> str:
+    """The key a request presents: its bearer token, else its ``x-api-key`` header (Anthropic's
+    clients and Claude Code send the key there), or ''."""
+    return bearer_token(request) or request.headers.get("x-api-key", "").strip()
+
+
 def authenticate(config: GatewayConfig, request: Request) -> Optional[ApiKey]:
     """The caller's key, or None when the gateway has no keys (everyone is anonymous).
 
@@ -59,13 +65,14 @@ def authenticate(config: GatewayConfig, request: Request) -> Optional[ApiKey]:
     how much of a guessed key was right."""
     if not config.api_keys:
         return None
-    token = bearer_token(request)
+    token = api_key_token(request)
     found = None
     for key in config.api_keys:
         if hmac.compare_digest(token.encode(), key.key.encode()) and token:
             found = key
     if found is None:
-        raise unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')", request)
+        raise unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                           request)
     return found
 
 
@@ -276,7 +283,7 @@ class OriginGuard:
             if origin is not None and not self.allows(origin, scope):
                 err = APIError(403, f"requests from the browser origin {origin!r} are not allowed "
                                     "(server.cors_origins)", "permission_error", code="origin_not_allowed")
-                await err.response()(scope, receive, send)
+                await err.response(scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -131,7 +131,8 @@ class ConcurrencyGuard:
     """ASGI middleware: at most ``max_concurrent_requests`` chat completions in flight per key.
     A request whose key is missing or wrong passes through (the route answers 401)."""
 
-    PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # text completions count as chat's
+    # text completions, responses and messages count as chat's (one agent loop under all of them)
+    PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
     def __init__(self, app: Any, limits: KeyLimits):
         self.app, self.limits = app, limits
@@ -150,7 +151,7 @@ class ConcurrencyGuard:
         except LimitReached as e:
             err = api_error(e)
             err.headers = {"Retry-After": str(RETRY_AFTER_S)}
-            await err.response()(scope, receive, send)
+            await err.response(scope.get("path", ""))(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)

@@ -1,7 +1,15 @@
 """The suite's shared fixtures (models, a block zoo, a loaded engine).  Modules the tests import
 and programs they start live in the ``helpers`` package beside this file (tests/helpers/)."""
 
+import os
+import tempfile
+
 import pytest
+
+# What a gateway keeps across restarts (the Responses API's stored responses: server.responses.path)
+# goes to a directory of this run, never to the user's ~/.local/state; gateways the tests start as
+# subprocesses inherit it.
+os.environ["INTERLACE_STATE_DIR"] = tempfile.mkdtemp(prefix="interlace-state-")
 
 
 @pytest.fixture(scope="session")

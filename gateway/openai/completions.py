@@ -53,6 +53,7 @@ says so in ``truncated``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -60,7 +61,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from ...engine_ext.errors import EngineError
 
@@ -145,6 +146,9 @@ class TokenLogprob:
 class Finish:
     reason: str
     usage: Dict[str, int]
+    #: the stop string that ended the output (``reason == "stop"``); None when an end-of-sequence
+    #: token or a limit ended it (Anthropic's ``stop_sequence`` needs to know which)
+    stop_sequence: Optional[str] = None
 
 
 @dataclass
@@ -165,6 +169,9 @@ class CompletionPlan:
     #: the first round is tool calls forced by a grammar (tool_choice "required" or a named function):
     #: a call that fails there can only have been cut short (max_tokens), and is not content
     forced_calls: bool = False
+    #: keep the context for a follow-up when the completion ends by itself ("stop"), not only on
+    #: client-side tool calls: a stored Responses-API response, which ``previous_response_id`` continues
+    retain_at_stop: bool = False
     #: when the request arrived (``time.perf_counter()``; the route sets it as its handler starts):
     #: the time to first token is measured from it
     arrived_at: float = field(default_factory=time.perf_counter)
@@ -422,6 +429,8 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
     retained = False   # the retention store owns the context now
     held = 0           # prompt tokens a retained context already held (adopted: not prefilled again)
     engine_cached: Dict[str, int] = {}  # the engine's latest TokenEvent.cached_tokens, by mechanism
+    # the last tokens, to tell which stop string ended the output (a character is at most 4 tokens)
+    tail = collections.deque(maxlen=4 * max(map(len, sampling.stop)) + 8) if sampling.stop else None
     segment_start, segment_tokens = prompt_tokens, 0  # the current segment (to the next tool call or the end)
     # the key's name is the tenant the engine's queue is fair across (its prefill and its decoding)
     hint = _segment_hint(app, owner, predictor.predict(app, prompt_tokens, 0, may_call=_may_call(plan, 0)))
@@ -451,6 +460,8 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                 if ev.token_id is not None:
                     completion_tokens += 1
                     segment_tokens += 1
+                    if tail is not None:
+                        tail.append(ev.token_id)
                     if ev.logprob is not None:
                         yield TokenLogprob(ev.token_id, ev.text, ev.logprob)
                 events = parser.feed(ev.text) if parser is not None else ([Text(ev.text)] if ev.text else [])
@@ -539,10 +550,12 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
         if finish_reason == "stop":
             # the job's segment count (client tool calls: unknown here -- the follow-up is another request)
             predictor.observe_finish(app, segment + 1)
-        if finish_reason == "tool_calls" and store is not None and turn.client_calls():
-            # the client runs the tools and comes back with the whole conversation: keep the context
-            entry = store.retain(owner, ctx, await engine.context_tokens(ctx), turn.client_calls()[0].name,
-                                 prompt_len=len(plan.prompt_ids))
+        client_calls = turn.client_calls() if finish_reason == "tool_calls" else []
+        if store is not None and (client_calls or (plan.retain_at_stop and finish_reason in ("stop", "length"))):
+            # the client runs the tools (or, for a stored response, says its next turn) and comes back
+            # with the whole conversation: keep the context
+            entry = store.retain(owner, ctx, await engine.context_tokens(ctx),
+                                 client_calls[0].name if client_calls else None, prompt_len=len(plan.prompt_ids))
             retained = entry is not None
             if entry is not None:
                 await store.park(entry)
@@ -550,7 +563,8 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
         cached = min(prompt_tokens, held + sum(engine_cached.values()))
         yield Finish(finish_reason, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                      "total_tokens": prompt_tokens + completion_tokens,
-                                     "prompt_tokens_details": {"cached_tokens": cached}})
+                                     "prompt_tokens_details": {"cached_tokens": cached}},
+                     stop_sequence=stop_string(model, sampling.stop, tail) if finish_reason == "stop" else None)
     finally:
         # Runs on success, error and client disconnect alike.  Nothing here
         # awaits: a cancelled request's cleanup must not be cancelled too.
@@ -564,6 +578,18 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
             engine.free_context_nowait(ctx)
         if metrics is not None:  # saved however the request ended (the retention's own: store.adopted)
             metrics.prefill_saved(model.name, engine_cached)
+
+
+def stop_string(model: ModelServer, stops: Sequence[str], tail: Optional[Sequence[int]]) -> Optional[str]:
+    """Which of ``stops`` ended an output whose last tokens are ``tail`` (None: an end-of-sequence
+    token did, or there are no stop strings).  The engine stops on the token that completes a stop
+    string and drops the string from the text, so the raw tail ends with it; of several, the one
+    that ends last (then the longest) completed first."""
+    if not stops or not tail or tail[-1] in model.tokenizer.eos_token_ids:
+        return None
+    text = model.tokenizer.decode(list(tail))
+    found = [(text.rfind(s) + len(s), len(s), s) for s in stops if s and s in text]
+    return max(found)[2] if found else None
 
 
 def _may_call(plan: CompletionPlan, rounds: int) -> bool:

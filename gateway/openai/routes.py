@@ -45,21 +45,29 @@ if TYPE_CHECKING:  # the seams' types (imports for annotations only)
     from ..models import ModelServer
 
 
+def prepare_plan(gw: Any, config: Any, caller: Any, body: Dict[str, Any]) -> Tuple[ModelServer, CompletionPlan]:
+    """A validated request in the internal shape (a chat-completions body: what every API's wire
+    module translates to) planned for its model: the model looked up (404), the caller's rights to
+    the extensions checked (403), the plan built (400s name chat-completions fields; the other APIs'
+    wire modules rename them).  CPU work that grows with the body: call it in a worker thread."""
+    model = gw.models.get(body["model"])
+    if model is None:
+        raise APIError(404, f"the model {body['model']!r} does not exist (available: "
+                            f"{', '.join(gw.models)})", param="model", code="model_not_found")
+    tools = gw.runtime.tools if gw.runtime else {}
+    guard_.authorize(config, caller, body, [n for n, t in tools.items() if t.enabled])
+    plan = build_plan(model, body, available_tools=tools, default_max_tokens=config.default_max_tokens,
+                      max_tool_rounds=config.max_tool_rounds, caller=caller.name if caller else None)
+    return model, plan
+
+
 def build_routes(gw: Any, config: Any) -> List[Route]:
     """The route, bound to the gateway ``gw`` (its models and tool runtime are made at start-up)."""
 
     def prepare(raw: bytes, caller: Any) -> Tuple[Dict[str, Any], ModelServer, CompletionPlan]:
         """The request's body checked and planned (in a worker thread: nothing here touches the loop)."""
         body = api.validate_chat_request(api.parse_json(raw))
-        model = gw.models.get(body["model"])
-        if model is None:
-            raise APIError(404, f"the model {body['model']!r} does not exist (available: "
-                                f"{', '.join(gw.models)})", param="model", code="model_not_found")
-        tools = gw.runtime.tools if gw.runtime else {}
-        guard_.authorize(config, caller, body, [n for n, t in tools.items() if t.enabled])
-        plan = build_plan(model, body, available_tools=tools, default_max_tokens=config.default_max_tokens,
-                          max_tool_rounds=config.max_tool_rounds, caller=caller.name if caller else None)
-        return body, model, plan
+        return (body, *prepare_plan(gw, config, caller, body))
 
     async def chat_completions(request: Request) -> Response:
         arrived = time.perf_counter()  # the time to first token counts from here
