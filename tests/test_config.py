@@ -298,3 +298,26 @@ def test_every_benchmark_command_runs_its_modules_main(monkeypatch):
         mod = importlib.import_module(f"interlace.bench.{module}")
         monkeypatch.setattr(mod, "main", lambda rest, what=what: (what, rest))
         assert cli.cmd_bench(cli.build_parser().parse_args(["bench", what])) == (what, [])
+
+
+def test_responses_store_settings(tmp_path, monkeypatch):
+    """server.responses: the SQLite file under INTERLACE_STATE_DIR by default, a relative path is
+    the config file's, ':memory:' stays; the MCP label 'interlace' is the plugin tools', no server's."""
+    from interlace.gateway.config import ConfigError, load_config, parse_config
+
+    monkeypatch.setenv("INTERLACE_STATE_DIR", str(tmp_path / "state"))
+    models = {"m": {"path": "embedded"}}
+    cfg = parse_config({"models": models})
+    assert cfg.responses.path == str(tmp_path / "state" / "responses.sqlite3")
+    assert (cfg.responses.enabled, cfg.responses.ttl_s, cfg.responses.max_per_key) == (True, 30 * 86400.0, 10_000)
+    f = tmp_path / "conf" / "gw.yaml"
+    f.parent.mkdir()
+    f.write_text("server: {responses: {path: data/r.db, ttl_s: 60, max_per_key: 3}}\nmodels: {m: {path: embedded}}\n")
+    cfg = load_config(str(f))
+    assert (cfg.responses.path, cfg.responses.ttl_s, cfg.responses.max_per_key) == (
+        str(tmp_path / "conf" / "data" / "r.db"), 60.0, 3)
+    assert parse_config({"server": {"responses": {"path": ":memory:"}}, "models": models}).responses.path == ":memory:"
+    with pytest.raises(ConfigError, match="max_per_key"):
+        parse_config({"server": {"responses": {"max_per_key": 0}}, "models": models})
+    with pytest.raises(ConfigError, match="reserved"):
+        parse_config({"models": models, "mcp_servers": {"interlace": {"command": "x"}}})
