@@ -4,6 +4,8 @@
     GET  /v1/models[/{id}]     the configured models          (gateway/openai/routes.py)
     POST /v1/chat/completions  chat, tools, structured output, streaming (gateway/openai/routes.py)
     POST /v1/completions       text completions               (gateway/openai/text_completions.py)
+    /v1/responses[/...]        OpenAI's Responses API, stored responses (gateway/responses/)
+    POST /v1/messages[/count_tokens]  Anthropic's Messages API    (gateway/anthropic/)
     GET  /v1/plugins           installed plugins, their tools and versions
     GET  /metrics              Prometheus metrics
     GET  /openapi.json         the OpenAPI document of every endpoint
@@ -43,8 +45,10 @@ from .key_limits import ConcurrencyGuard, KeyLimits
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .models import ModelServer, load_engine, zoo_engine_specs
 from .retention import RetentionStore
+from .anthropic.routes import build_routes as messages_routes
 from .openai.routes import build_routes as openai_routes
 from .openapi import openapi_document
+from .responses.routes import build_routes as responses_routes
 from .semantic.graph import Services
 from .semantic.routes import build_routes as semantic_routes
 from .semantic.sessions import SessionStore
@@ -71,6 +75,9 @@ class Gateway:
         self.services: Any = None  # what semantic calls run on (gateway/semantic/graph.py)
         self.sessions: Any = None  # Semantic Variables sessions (gateway/semantic/sessions.py)
         self.mcp: Any = None  # the MCP servers whose tools are served (gateway/mcp/client.py)
+        self.responses: Any = None  # the Responses API's stored responses (gateway/responses/store.py)
+        self._sweeper: Optional[asyncio.Task] = None  # deletes expired stored responses
+        self.response_runs: Any = None  # background responses running (gateway/responses/routes.py sets it)
 
     async def start(self, app: Starlette) -> None:
         from ..parsers.base import ParserRegistry
@@ -79,6 +86,12 @@ class Gateway:
 
         cfg = self.config
         try:
+            from .responses.store import open_store
+
+            # first: a store that cannot be opened (corrupt, locked, unwritable) stops start-up with its name
+            self.responses = await asyncio.to_thread(open_store, cfg.responses)
+            if self.responses is not None:
+                self._sweeper = asyncio.ensure_future(self._expire_responses(min(cfg.responses.ttl_s, 3600.0)))
             if cfg.mcp_servers:  # first: their tools are registered with the others
                 from .mcp.client import McpHub
 
@@ -138,6 +151,20 @@ class Gateway:
             await self.stop()
             raise
 
+    async def _expire_responses(self, every_s: float) -> None:
+        """Delete expired stored responses from the file now and every ``every_s`` seconds (they are
+        already invisible to every query; this gives the space back and zeroes their text)."""
+        from .responses.store import StoreError
+
+        while True:
+            try:
+                n = await self.responses.expire()
+                if n:
+                    log.info("deleted %d expired stored response(s)", n)
+            except StoreError as e:  # a locked file: the next round tries again
+                log.warning("could not delete expired stored responses: %s", e)
+            await asyncio.sleep(every_s)
+
     def _mcp_tools(self, server: Any) -> None:
         """Serve ``server``'s current tools in place of those it had (the host and the runtime)."""
         owner = f"mcp.{server.name}"
@@ -148,6 +175,8 @@ class Gateway:
             log.info("MCP server %r: now serving %s", server.name, ", ".join(t.name for t in kept) or "no tools")
 
     async def stop(self) -> None:
+        if self.response_runs is not None:  # first: each run stores how it ended ("cancelled")
+            await self.response_runs.close()
         if self.sessions is not None:  # their calls use the engines and tools: first
             await self.sessions.close()
             self.sessions = None
@@ -167,6 +196,13 @@ class Gateway:
             await asyncio.to_thread(engine.close)
         self.engines.clear()
         self.models.clear()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        if self.responses is not None:  # last: requests still finishing above may store their response
+            await self.responses.close()
+            self.responses = None
 
 
 def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSpec], Any]] = None,
@@ -205,6 +241,8 @@ def create_app(config: GatewayConfig, engine_factory: Optional[Callable[[ModelSp
         Route("/v1/plugins", plugins_route),
         Route("/metrics", metrics),
         *openai_routes(gw, config),
+        *responses_routes(gw, config),
+        *messages_routes(gw, config),
         Route("/openapi.json", openapi),
         *semantic_routes(gw, config),
     ]

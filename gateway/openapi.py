@@ -21,8 +21,10 @@ from typing import Any, Dict, Iterable, Iterator, List, Tuple
 from starlette.routing import BaseRoute, Mount, Route
 
 from ..version import __version__
+from .anthropic.wire import COUNT_SCHEMA as MESSAGES_COUNT_SCHEMA, REQUEST_SCHEMA as MESSAGES_REQUEST_SCHEMA
 from .openai.text_completions import COMPLETION_REQUEST_SCHEMA
 from .openai.wire import CHAT_REQUEST_SCHEMA
+from .responses.wire import RESPONSES_REQUEST_SCHEMA
 from .sampling import PROPERTIES as SAMPLING_PROPERTIES
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
@@ -101,6 +103,11 @@ def _q(name: str, schema: Dict[str, Any], desc: str) -> Dict[str, Any]:
 
 
 ERR = ("error (OpenAI-style body)", ERROR)
+#: Anthropic's error body, which the /v1/messages routes answer with
+ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+AERR = ("error (Anthropic's body: {type: error, error: {type, message}})", ANTHROPIC_ERROR)
 LIST = {"type": "object", "required": ["object", "data"],
         "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}
 MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"],
@@ -141,6 +148,47 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
         # the schema the server validates with; other fields are refused (400 unknown_parameter), and
         # OpenAI's unimplemented ones are accepted only at their neutral value (wire.UNSUPPORTED)
         body={**CHAT_REQUEST_SCHEMA, "additionalProperties": False}),
+    ("/v1/messages", "post"): _op(
+        "Anthropic Messages (Claude Code): text / tool_use / tool_result blocks, tools, tool_choice, streaming "
+        "with Anthropic's events; errors in Anthropic's shape (README)",
+        {200: ("a message, or Anthropic's server-sent events when stream is true",
+               {"application/json": {"schema": {"type": "object"}}, **SSE}),
+         400: AERR, 401: AERR, 403: AERR, 404: AERR, 413: AERR, 415: AERR, 429: AERR},
+        body={**MESSAGES_REQUEST_SCHEMA, "additionalProperties": False}),
+    ("/v1/messages/count_tokens", "post"): _op(
+        "Anthropic count_tokens: the tokens of the prompt the request renders to, tools included",
+        {200: ("the count", {"type": "object", "required": ["input_tokens"],
+                             "properties": {"input_tokens": {"type": "integer"}}}),
+         400: AERR, 401: AERR, 404: AERR, 413: AERR, 415: AERR, 429: AERR},
+        body={**MESSAGES_COUNT_SCHEMA, "additionalProperties": False}),
+    ("/v1/responses", "post"): _op(
+        "OpenAI Responses: input items, function and mcp tools, text.format, typed stream events, "
+        "previous_response_id (the kept engine context), background (README)",
+        {200: ("a response, or its typed server-sent events when stream is true",
+               {"application/json": {"schema": {"type": "object"}}, **SSE}),
+         400: ERR, 401: ERR, 403: ERR, 404: ERR, 413: ERR, 415: ERR, 429: ERR,
+         503: ("the response store failed (nothing was kept)", ERROR)},
+        # the schema the server validates with; other fields are refused (400 unknown_parameter), and
+        # the unimplemented ones are accepted only at their neutral value (responses/wire.UNSUPPORTED)
+        body={**RESPONSES_REQUEST_SCHEMA, "additionalProperties": False}),
+    ("/v1/responses/{id}", "get"): _op(
+        "A stored response of the caller's key (another key's: 404)",
+        {200: ("the response", {"type": "object"}), 401: ERR, 404: ERR, 503: ERR}),
+    ("/v1/responses/{id}", "delete"): _op(
+        "Delete a stored response of the caller's key (a running background one is cancelled first)",
+        {200: ("deleted", {"type": "object", "required": ["id", "object", "deleted"]}), 401: ERR, 404: ERR,
+         503: ERR}),
+    ("/v1/responses/{id}/input_items", "get"): _op(
+        "The input items of a stored response (OpenAI list)",
+        {200: ("the items", LIST), 400: ERR, 401: ERR, 404: ERR, 503: ERR},
+        params=(_q("order", {"enum": ["asc", "desc"]}, "default desc"),
+                _q("limit", {"type": "integer", "minimum": 1, "maximum": 100}, "default 20"),
+                _q("after", {"type": "string"}, "an item id: the items after it"),
+                _q("include", {"type": "array", "items": {"type": "string"}}, "accepted, no effect"))),
+    ("/v1/responses/{id}/cancel", "post"): _op(
+        "Cancel a queued or in-progress background response",
+        {200: ("the cancelled response", {"type": "object"}), 400: ERR, 401: ERR, 404: ERR,
+         409: ("the response has already ended", ERROR), 503: ERR}),
     ("/v1/sessions", "post"): _op(
         "Create a Semantic Variables session; answers its id and bearer token (and submits a first batch of "
         "calls with it, all or nothing: a refused batch leaves no session)",
