@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import httpx
@@ -21,7 +23,9 @@ import pytest
 from helpers.gateway_server import LiveGateway, engine_state, wait_idle
 from interlace.gateway.responses.store import SQLiteResponseStore
 
-KEYS = [{"key": "alice-key", "name": "alice", "server_tools": ["calculator"]}, {"key": "bob-key", "name": "bob"}]
+KEYS = [{"key": "alice-key", "name": "alice", "server_tools": ["calculator", "t.*"]}, {"key": "bob-key", "name": "bob"}]
+#: a configured MCP server (stdio): its tools are t.echo, t.forecast ... in the gateway
+MCP_SERVER = str(Path(__file__).parent / "helpers" / "mcp_test_server.py")
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather for a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 ASK = "What is the weather like in Paris today?"
@@ -35,7 +39,7 @@ def live(tmp_path_factory):
     m = {"path": "embedded", "kv_cache_tokens": 4096, "dtype": "float32"}
     path = tmp_path_factory.mktemp("responses") / "responses.sqlite3"
     cfg = {"server": {"api_keys": KEYS, "replay": True, "responses": {"path": str(path)}},
-           "models": {"smollm2": m},
+           "models": {"smollm2": m}, "mcp_servers": {"t": {"command": sys.executable, "args": [MCP_SERVER]}},
            # preserve: the kept KV stays, so the follow-up's cached tokens are known to come from it
            "engine": {"profile": "h100-llama-3-8b", "interception": "preserve"}, "plugins": {"entrypoints": False}}
     with LiveGateway(cfg) as gw:
@@ -368,6 +372,25 @@ def test_plugin_tools_through_the_interlace_mcp_label(live):
     # bob's key is granted no server-side tools
     r = post(live, {"input": "x", "tools": tools}, key="bob-key")
     assert r.status_code == 403 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_a_configured_mcp_servers_tools_by_its_label(live):
+    """``{"type": "mcp", "server_label": "t"}`` names the configured server t: its tool runs in the
+    loop and comes back as an mcp_call of server t; unknown labels and remote servers are refused."""
+    echo = '<tool_call>\n{"name": "t.echo", "arguments": {"text": "bonjour"}}\n</tool_call>'
+    tools = [{"type": "mcp", "server_label": "t", "allowed_tools": ["echo"]}]
+    r = client(live).responses.create(model="smollm2", input="Echo bonjour.", tools=tools, max_output_tokens=40,
+                                      extra_body=replay([echo, "Done."]))
+    assert [o.type for o in r.output] == ["mcp_call", "message"], r.output
+    call = r.output[0]
+    assert (call.server_label, call.name, call.output) == ("t", "echo", "bonjour"), call
+    for bad, field in (([{"type": "mcp", "server_label": "nope"}], "tools[0].server_label"),
+                       ([{"type": "mcp", "server_label": "t", "server_url": "https://example.com/mcp"}],
+                        "tools[0].server_url")):
+        r = post(live, {"input": "x", "tools": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = post(live, {"input": "x", "tools": tools}, key="bob-key")  # bob may use no server-side tool
+    assert r.status_code == 403, r.text
 
 
 def test_a_client_gone_mid_stream_frees_its_context(live):
