@@ -83,7 +83,8 @@ def _config(args: argparse.Namespace, require_secrets: bool = True):
 def check_serve_config(cfg) -> None:
     """What can be checked before the server starts, so that a mistake is one clear line
     instead of a start-up traceback: plugins load and accept their settings, every
-    model's parser exists, every model path exists, vLLM takes every vLLM engine's arguments."""
+    model's parser exists, the response store opens, every model path exists, vLLM takes every
+    vLLM engine's arguments."""
     from pathlib import Path
 
     from interlace.gateway.config import ConfigError
@@ -107,6 +108,14 @@ def check_serve_config(cfg) -> None:
             zoo_engine_specs(cfg)
         except ConfigError as e:
             raise UserError(str(e)) from e
+    from interlace.gateway.responses.store import StoreError, open_store
+
+    try:  # the response store opens (a corrupt, foreign, locked or unwritable file: its one line)
+        store = open_store(cfg.responses)
+        if store is not None:
+            asyncio.run(store.close())
+    except StoreError as e:
+        raise UserError(f"{cfg.source}: server.responses.path: {e}") from e
     for spec in cfg.models.values():
         if spec.path != "embedded" and not spec.path.startswith("zoo/") and not Path(spec.path).exists():
             raise UserError(f"{cfg.source}: models.{spec.name}.path: {spec.path!r} does not exist")

@@ -102,8 +102,12 @@ def test_generate_with_missing_model_is_one_error_line():
     ("plugins", "models:\n  m: {path: embedded}\nplugins: {modules: [no_such_plugin_mod]}\n",
      "No module named 'no_such_plugin_mod'"),
     ("plugins", "models: {}\n", "models: {} should be non-empty"),
+    # garbage where the response store's SQLite file should be
+    ("serve", "server: {responses: {path: corrupt.db}}\nmodels:\n  m: {path: embedded}\n",
+     "server.responses.path: the response store"),
 ])
 def test_cli_user_mistakes_are_one_clear_line(tmp_path, command, text, needle):
+    (tmp_path / "corrupt.db").write_bytes(b"not a database " * 300)
     p = write(tmp_path, text)
     out = subprocess.run([sys.executable, "-m", "interlace.cli", command, "--config", str(p)],
                          capture_output=True, text=True, timeout=120)
