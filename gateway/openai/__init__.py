@@ -20,6 +20,11 @@ A request walks the modules in this order:
 
 What the API surfaces share (the served models, errors, prompt rendering, and
 ``retention.py``: finished contexts kept across client-side tool calls, which
-the Responses API's ``previous_response_id`` will name too) lives at the
-gateway root, not here.
+the Responses API's ``previous_response_id`` names too) lives at the gateway
+root, not here.  The agent loop (``completions.py``) and the planning
+(``routes.prepare_plan``) are the chat wing's and serve the other two APIs as
+well: the Responses wing (gateway/responses/) and the Messages wing
+(gateway/anthropic/) translate their requests to this wing's internal request
+(a validated chat-completions body) and make their answers of the same loop
+events; nothing below the wire modules knows which API called.
 """
