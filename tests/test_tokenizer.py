@@ -80,3 +80,39 @@ def test_from_model_dir_without_a_tokenizer_json(tmp_path):
     with pytest.raises(ValueError) as err:
         Tokenizer.from_model_dir(d, needed_by="the openai engine")
     assert str(err.value) == f"the openai engine needs the model's tokenizer: no tokenizer.json in {d}"
+
+
+def test_tokenizing_a_big_text_leaves_other_threads_running(smol_dir):
+    """Tokenizing runs in a worker thread (a 4 MB count_tokens body, a long prompt); the library's
+    ``encode`` held the interpreter lock for all of it, so the event loop stood still for seconds
+    (the adversarial run: /health waited 4.8 s).  A ticker thread must keep ticking meanwhile; the
+    bound is generous against a loaded machine (without the fix the wait is the whole encode)."""
+    import threading
+    import time
+
+    from interlace.engine_ext.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_model_dir(smol_dir)
+    text = ("The quick brown fox jumps over the lazy dog, 42 times; naïve café. " * 200_000)[:4_000_000]
+    gaps, done = [], threading.Event()
+
+    def tick():
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    started = time.perf_counter()
+    try:
+        ids = tok.encode(text, parse_special=False)
+        pieces = tok.encode_pieces([(text[:1000], True), (text[1000:1_000_000], False)])
+    finally:
+        done.set()
+        ticker.join()
+    took = time.perf_counter() - started
+    assert len(ids) > 500_000 and pieces[:5] == ids[:5]
+    assert max(gaps) < max(1.0, took / 4), (max(gaps), took)
