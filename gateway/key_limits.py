@@ -83,10 +83,12 @@ class KeyLimits:
                                f"semantic calls pending or running over its sessions (it has {held}, the request "
                                f"adds {new})")
 
-    def enter(self, caller: Optional[ApiKey]) -> None:
-        """Count a chat completion in flight, or refuse it."""
+    def enter(self, caller: Optional[ApiKey], within_request: bool = False) -> None:
+        """Count a chat completion in flight, or refuse it.  ``within_request``: asked from inside a
+        request :class:`ConcurrencyGuard` already counts, for work that outlives it (a background
+        response): that request's own slot is the one the work takes over, so it does not count."""
         name, limit = key_name(caller), self.limits(caller).max_concurrent_requests
-        if self.in_flight[name] >= limit:
+        if self.in_flight[name] - within_request >= limit:
             raise self._refuse(caller, "max_concurrent_requests", limit, "chat completions in flight")
         self.in_flight[name] += 1
 

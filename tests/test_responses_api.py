@@ -23,7 +23,8 @@ import pytest
 from helpers.gateway_server import LiveGateway, engine_state, wait_idle
 from interlace.gateway.responses.store import SQLiteResponseStore
 
-KEYS = [{"key": "alice-key", "name": "alice", "server_tools": ["calculator", "t.*"]}, {"key": "bob-key", "name": "bob"}]
+KEYS = [{"key": "alice-key", "name": "alice", "server_tools": ["calculator", "t.*"]}, {"key": "bob-key", "name": "bob"},
+        {"key": "carol-key", "name": "carol", "limits": {"max_concurrent_requests": 1}}]
 #: a configured MCP server (stdio): its tools are t.echo, t.forecast ... in the gateway
 MCP_SERVER = str(Path(__file__).parent / "helpers" / "mcp_test_server.py")
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather for a city",
@@ -319,6 +320,26 @@ def test_background_runs_completes_and_cancels(live):
     assert not live.gateway.response_runs.tasks
     assert live.gateway.key_limits.in_flight.get("alice", 0) == 0
     assert wait_idle(live)["contexts"] == 0
+
+
+def test_a_background_run_takes_over_its_requests_slot(live):
+    """A key allowed one request in flight may run one response in the background (the run takes
+    over the slot of the request that started it); a second one while it runs is a 429."""
+    c = client(live, "carol-key")
+    slow = c.responses.create(model="smollm2", input="Talk.", background=True, max_output_tokens=600,
+                              extra_body=replay(LONG))
+    assert slow.status == "queued"
+    with pytest.raises(openai.RateLimitError):
+        c.responses.create(model="smollm2", input="More.", background=True, max_output_tokens=5,
+                           extra_body=replay("ok"))
+    assert c.responses.cancel(slow.id).status == "cancelled"
+    assert live.gateway.key_limits.in_flight.get("carol", 0) == 0
+    quick = c.responses.create(model="smollm2", input="Hi.", background=True, max_output_tokens=5,
+                               extra_body=replay("Hello."))
+    deadline = time.time() + 60
+    while (got := c.responses.retrieve(quick.id)).status in ("queued", "in_progress") and time.time() < deadline:
+        time.sleep(0.1)
+    assert got.status == "completed" and live.gateway.key_limits.in_flight.get("carol", 0) == 0
 
 
 def test_a_failing_store_is_an_error_never_a_claimed_success(live, tmp_path):

@@ -32,7 +32,8 @@ Decisions:
   tasks the gateway holds (:class:`BackgroundRuns`, ``gw.response_runs``;
   cancelled at shutdown), stored ``queued`` -> ``in_progress`` ->
   ``completed`` / ``incomplete`` / ``failed`` / ``cancelled``, and count
-  against the key's ``max_concurrent_requests`` while they run.  They cannot
+  against the key's ``max_concurrent_requests`` while they run (the run
+  takes over the slot of the request that started it).  They cannot
   be streamed (``background`` with ``stream``: 400): poll ``GET``.  One that
   a restart interrupted stays ``in_progress`` in the store; cancelling it
   marks it ``cancelled``.
@@ -274,7 +275,9 @@ def build_routes(gw: Any, config: Any) -> List[Route]:
             yield emit({"type": "response.failed", "response": run.response("failed", builder, err)})
 
     async def start_background(run: Run, caller: Any) -> Response:
-        gw.key_limits.enter(caller)  # a 429 (LimitReached) when the key has as many in flight as it may
+        # the run takes over this request's slot (a key allowed one request in flight may run one in the
+        # background); a 429 (LimitReached) when the key's other work already holds every slot
+        gw.key_limits.enter(caller, within_request=True)
         try:
             queued = run.response("queued")
             await save(run, queued, None)
