@@ -1181,6 +1181,759 @@ def case_options_allow(ctx: Ctx, res: Result) -> None:
     res.verdict_ok = "DELETE" in allow and want <= allow
 
 
+# -- issue 33: the Responses and Messages APIs --------------------------------------------------------
+RESP, MSGS = "/v1/responses", "/v1/messages"
+
+
+def _resp_body(**kw: Any) -> dict:
+    return {"model": MODEL, "input": "hi", "max_output_tokens": 1, **kw}
+
+
+def _msg_body(**kw: Any) -> dict:
+    return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def _shape_ok(r: httpx.Response, dialect: str) -> bool:
+    """The body is the API's own error shape: OpenAI's {"error": {message, type, param, code}}, or
+    Anthropic's {"type": "error", "error": {"type", "message"}}."""
+    try:
+        b = r.json()
+    except ValueError:
+        return False
+    if not isinstance(b, dict) or not isinstance(b.get("error"), dict):
+        return False
+    e = b["error"]
+    if dialect == "anthropic":
+        return b.get("type") == "error" and isinstance(e.get("type"), str) and isinstance(e.get("message"), str)
+    return isinstance(e.get("message"), str) and {"type", "param", "code"} <= set(e)
+
+
+def _dialect(path: str) -> str:
+    return "anthropic" if path.startswith(MSGS) else "openai"
+
+
+def _brief(r: httpx.Response) -> str:
+    """'STATUS type/code: message' of either API's error, or the status."""
+    try:
+        b = r.json()
+    except ValueError:
+        return f"{r.status_code} non-JSON {r.text[:60]!r}"
+    e = b.get("error") if isinstance(b, dict) else None
+    if isinstance(e, dict):
+        return f"{r.status_code} {e.get('code') or e.get('type')}: {str(e.get('message'))[:90]}"
+    return str(r.status_code)
+
+
+def _send_all(ctx: Ctx, attempts: List[Tuple[str, str, Any]], key: str = "attacker",
+              timeout: float = 120.0) -> Tuple[List[str], List[str]]:
+    """POST each (label, path, body): the labels whose answer was a 5xx, not a 4xx/2xx, or a 4xx not in
+    the API's error shape; and a line per attempt."""
+    bad: List[str] = []
+    lines: List[str] = []
+    for label, path, body in attempts:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r, _ = ctx.post(path, raw=raw, key=key, timeout=timeout)
+        ok = (r.status_code == 200) or (400 <= r.status_code < 500 and _shape_ok(r, _dialect(path)))
+        if not ok:
+            bad.append(f"{label}: {_brief(r)}")
+        lines.append(f"{label}: {_brief(r)}")
+    return bad, lines
+
+
+def _metrics(ctx: Ctx) -> Dict[str, float]:
+    """The gauges that say what the engine holds: contexts on the replicas, retained contexts, KV blocks
+    in use, and the keys' requests in flight (each summed over its labels)."""
+    text = httpx.get(ctx.url + "/metrics", timeout=60).text
+    names = ("interlace_replica_contexts", "interlace_retention_contexts", "interlace_replica_kv_blocks_in_use",
+             "interlace_key_requests_in_flight")
+    out = {n: 0.0 for n in names}
+    for line in text.splitlines():
+        for n in names:
+            if line.startswith(n + "{") or line.startswith(n + " "):
+                out[n] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _store_path(ctx: Ctx) -> Path:
+    return ctx.workdir / "state" / "responses.sqlite3"  # INTERLACE_STATE_DIR of the run (main)
+
+
+def _near_limit(make: Callable[[int], Any], limit: int) -> Tuple[bytes, int]:
+    """The largest body ``make(n)`` (n items of about 1 KB) under ``limit`` bytes, and its n."""
+    one = len(json.dumps(make(2)).encode()) - len(json.dumps(make(1)).encode())
+    n = max(1, (limit - len(json.dumps(make(0)).encode())) // one)
+    while len(raw := json.dumps(make(n)).encode()) > limit:
+        n -= 1
+    return raw, n
+
+
+MAX_BODY = 4 * 1024 * 1024  # server.max_request_bytes (default; configs/adversarial.yaml keeps it)
+
+
+def case_api_big_body(ctx: Ctx, res: Result) -> None:
+    res.freeze_case = True
+    chunk = "lorem ipsum " * 83  # ~1 KB
+    resp = lambda n: _resp_body(input=[{"role": "user", "content": chunk}] * n)  # noqa: E731
+
+    def msgs(n: int) -> dict:
+        return _msg_body(messages=[{"role": "user", "content": [{"type": "text", "text": chunk}] * n}])
+
+    r_raw, rn = _near_limit(resp, MAX_BODY)
+    m_raw, mn = _near_limit(msgs, MAX_BODY)
+    over_r = json.dumps(resp(rn + 2)).encode()
+    over_m = json.dumps(msgs(mn + 2)).encode()
+    res.sizes = f"{rn} input items ({len(r_raw)} B), {mn} content blocks ({len(m_raw)} B); limit {MAX_BODY} B"
+    res.sent = ("POST /v1/responses and /v1/messages with a body just under max_request_bytes of ~1 KB input "
+                "items / text blocks, then each just over it")
+    res.expected = "under: 400 context_length_exceeded (or 200); over: 413; the API's error shape; /health < 1 s"
+    ctx.begin()
+    got, ok = [], True
+    for label, path, raw, want in (("responses", RESP, r_raw, (200, 400)), ("messages", MSGS, m_raw, (200, 400)),
+                                   ("responses over", RESP, over_r, (413,)), ("messages over", MSGS, over_m, (413,))):
+        r, dt = ctx.post(path, raw=raw, key="attacker", timeout=180)
+        ok &= r.status_code in want and (r.status_code == 200 or _shape_ok(r, _dialect(path)))
+        got.append(f"{label}: {_brief(r)} ({dt:.1f}s)")
+    res.got = "; ".join(got)
+    res.verdict_ok = ok
+
+
+def case_api_many_items(ctx: Ctx, res: Result) -> None:
+    res.freeze_case = True
+    n = 20_000
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": "a"} for i in range(n)] + \
+        [{"role": "user", "content": "a"}]
+    resp = _resp_body(input=items)
+    msgs = _msg_body(messages=items)
+    count = {"model": MODEL, "messages": items}
+    fc = [x for i in range(n // 2) for x in (
+        {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": f"c{i}", "output": "r"})]
+    resp_fc = _resp_body(input=fc, tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}])
+    res.sizes = f"{n + 1} messages; {n} function_call/function_call_output items"
+    res.sent = (f"{n + 1} one-character alternating user/assistant turns to /v1/responses, /v1/messages and "
+                f"count_tokens; {n} tiny function_call/_output items to /v1/responses")
+    res.expected = "400 context_length_exceeded or 200 (count_tokens: 200), the API's shape, /health < 1 s"
+    ctx.begin()
+    got, ok = [], True
+    for label, path, body in (("responses", RESP, resp), ("messages", MSGS, msgs),
+                              ("count_tokens", MSGS + "/count_tokens", count), ("responses fc", RESP, resp_fc)):
+        r, dt = ctx.post(path, body, key="attacker", timeout=180)
+        ok &= r.status_code in (200, 400) and (r.status_code == 200 or _shape_ok(r, _dialect(path)))
+        extra = f" input_tokens={r.json().get('input_tokens')}" if label == "count_tokens" and r.status_code == 200 \
+            else ""
+        got.append(f"{label}: {_brief(r)}{extra} ({dt:.1f}s)")
+    res.got = "; ".join(got)
+    res.verdict_ok = ok
+
+
+def _nest(depth: int) -> Any:
+    v: Any = "x"
+    for _ in range(depth):
+        v = {"a": v}
+    return v
+
+
+def case_api_deep_nesting(ctx: Ctx, res: Result) -> None:
+    res.freeze_case = True
+    deep = _nest(70)
+    schema60 = {"type": "object"}
+    for _ in range(28):  # 2 levels per wrap: properties -> name -> ... about 60 deep in all
+        schema60 = {"type": "object", "properties": {"a": schema60}}
+    fn = lambda params: [{"type": "function", "name": "f", "parameters": params}]  # noqa: E731
+    tool = lambda schema: [{"name": "f", "input_schema": schema}]  # noqa: E731
+    brackets = b'{"model": "' + MODEL.encode() + b'", "input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    attempts = [
+        ("responses metadata 70 deep", RESP, _resp_body(metadata={"k": deep})),
+        ("responses tool parameters 70 deep", RESP, _resp_body(tools=fn({"type": "object", "properties": deep}))),
+        ("responses text.format schema 70 deep", RESP, _resp_body(text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "object", "properties": deep}}})),
+        ("responses 100,000 '['", RESP, brackets),
+        ("responses tool schema ~60 deep (under the limit)", RESP, _resp_body(tools=fn(schema60))),
+        ("messages input_schema 70 deep", MSGS, _msg_body(tools=tool({"type": "object", "properties": deep}))),
+        ("messages tool_use input 70 deep", MSGS, _msg_body(messages=[
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": deep}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}],
+            tools=tool({"type": "object"}))),
+        ("messages 100,000 '['", MSGS, brackets.replace(b'"input"', b'"messages"')),
+        ("count_tokens 100,000 '['", MSGS + "/count_tokens", brackets.replace(b'"input"', b'"messages"')),
+        ("messages input_schema ~60 deep (under the limit)", MSGS, _msg_body(tools=tool(schema60))),
+    ]
+    res.sent = "JSON nested 70 levels (metadata, tool schemas, tool_use input), 100,000 '[', and a 60-deep tool schema"
+    res.expected = "400 in the API's shape (or 200 under the depth limit), never 5xx, /health < 1 s"
+    ctx.begin()
+    bad, lines = _send_all(ctx, attempts)
+    deep_ok = all(not ln.split(": ", 1)[1].startswith("200") for ln in lines if "70 deep" in ln or "'['" in ln)
+    res.got = f"{len(lines) - len(bad)}/{len(lines)} answered as promised" + (f"; wrong: {bad}" if bad else "") + \
+        "; " + "; ".join(lines)
+    res.verdict_ok = not bad and deep_ok
+
+
+UNHASHABLE = {"a": [1]}
+
+
+def case_api_unhashable(ctx: Ctx, res: Result) -> None:
+    u, ul = UNHASHABLE, [UNHASHABLE]
+    fn_tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    call = lambda **kw: {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", **kw}  # noqa: E731
+    out = lambda **kw: {"type": "function_call_output", "call_id": "c1", "output": "r", **kw}  # noqa: E731
+    m_tools = [{"name": "f", "input_schema": {"type": "object"}}]
+
+    def use(**kw: Any) -> dict:
+        return {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}, **kw}]}
+
+    def result(**kw: Any) -> dict:
+        return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r", **kw}]}
+
+    attempts: List[Tuple[str, str, Any]] = [
+        ("r model", RESP, _resp_body(model=u)),
+        ("r input", RESP, _resp_body(input=u)),
+        ("r input[0].role", RESP, _resp_body(input=[{"role": u, "content": "hi"}])),
+        ("r input[0].type dict", RESP, _resp_body(input=[{"type": u, "role": "user", "content": "hi"}])),
+        ("r input[0].type list", RESP, _resp_body(input=[{"type": ul, "role": "user", "content": "hi"}])),
+        ("r content[0].type", RESP, _resp_body(input=[{"role": "user", "content": [{"type": u, "text": "x"}]}])),
+        ("r function_call.call_id", RESP, _resp_body(input=[call(call_id=u), out()], tools=fn_tools)),
+        ("r function_call.name", RESP, _resp_body(input=[call(name=ul), out()], tools=fn_tools)),
+        ("r function_call_output.call_id", RESP, _resp_body(input=[call(), out(call_id=u)], tools=fn_tools)),
+        ("r tools[0].type", RESP, _resp_body(tools=[{"type": u, "name": "f"}])),
+        ("r tools[0].name", RESP, _resp_body(tools=[{"type": "function", "name": u}])),
+        ("r tool_choice list", RESP, _resp_body(tools=fn_tools, tool_choice=ul)),
+        ("r tool_choice.type", RESP, _resp_body(tools=fn_tools, tool_choice={"type": u, "name": "f"})),
+        ("r tool_choice.name", RESP, _resp_body(tools=fn_tools, tool_choice={"type": "function", "name": u})),
+        ("r tool_choice mcp server_label", RESP, _resp_body(tool_choice={"type": "mcp", "server_label": ul,
+                                                                          "name": "x"})),
+        ("r mcp server_label", RESP, _resp_body(tools=[{"type": "mcp", "server_label": u}])),
+        ("r mcp allowed_tools", RESP, _resp_body(tools=[{"type": "mcp", "server_label": "interlace",
+                                                         "allowed_tools": [u]}])),
+        ("r text.format.type", RESP, _resp_body(text={"format": {"type": u}})),
+        ("r include", RESP, _resp_body(include=[u])),
+        ("r previous_response_id", RESP, _resp_body(previous_response_id=u)),
+        ("r metadata value", RESP, _resp_body(metadata={"k": u})),
+        ("r interlace.server_tools", RESP, _resp_body(interlace={"server_tools": [u]})),
+        ("r reasoning", RESP, _resp_body(reasoning={"effort": u})),
+        ("m model", MSGS, _msg_body(model=ul)),
+        ("m messages[0].role", MSGS, _msg_body(messages=[{"role": u, "content": "hi"}])),
+        ("m messages[0].role list", MSGS, _msg_body(messages=[{"role": ul, "content": [
+            {"type": "text", "text": "x"}]}])),
+        ("m block type", MSGS, _msg_body(messages=[{"role": "user", "content": [{"type": ul, "text": "x"}]}])),
+        ("m tool_use.id", MSGS, _msg_body(messages=[{"role": "user", "content": "go"}, use(id=u), result()],
+                                          tools=m_tools)),
+        ("m tool_use.name", MSGS, _msg_body(messages=[{"role": "user", "content": "go"}, use(name=ul), result()],
+                                            tools=m_tools)),
+        ("m tool_result.tool_use_id", MSGS, _msg_body(messages=[{"role": "user", "content": "go"}, use(),
+                                                                result(tool_use_id=u)], tools=m_tools)),
+        ("m tools[0].name", MSGS, _msg_body(tools=[{"name": u, "input_schema": {"type": "object"}}])),
+        ("m tools[0].type", MSGS, _msg_body(tools=[{"type": u, "name": "f", "input_schema": {"type": "object"}}])),
+        ("m tool_choice list", MSGS, _msg_body(tools=m_tools, tool_choice=ul)),
+        ("m tool_choice.type", MSGS, _msg_body(tools=m_tools, tool_choice={"type": u})),
+        ("m tool_choice.name", MSGS, _msg_body(tools=m_tools, tool_choice={"type": "tool", "name": u})),
+        ("m stop_sequences", MSGS, _msg_body(stop_sequences=[u])),
+        ("m system", MSGS, _msg_body(system=u)),
+        ("m thinking.type", MSGS, _msg_body(thinking={"type": u})),
+        ("m metadata.user_id", MSGS, _msg_body(metadata={"user_id": u})),
+        ("m interlace.replay", MSGS, _msg_body(interlace={"replay": u})),
+        ("m output_config.format.type", MSGS, _msg_body(output_config={"format": {"type": u, "schema": {}}})),
+        ("count_tokens role", MSGS + "/count_tokens", {"model": MODEL, "messages": [{"role": u, "content": "x"}]}),
+        ("count_tokens model", MSGS + "/count_tokens", {"model": u, "messages": [{"role": "user", "content": "x"}]}),
+    ]
+    res.sent = (f"{len(attempts)} requests with a dict/list where a name is looked up (role, type, tool names, "
+                "tool_choice, call_id, tool_use_id, server_label, model ...)")
+    res.expected = "each a 400 (404 for an unknown model) in the API's error shape, never 5xx"
+    ctx.begin()
+    bad, lines = _send_all(ctx, attempts)
+    not_4xx = [ln for ln in lines if not ln.split(": ", 1)[1][:1] == "4"]
+    res.got = f"{len(lines) - len(bad) - len(not_4xx)}/{len(lines)} 4xx in shape" + \
+        (f"; wrong: {bad + not_4xx}" if bad or not_4xx else "")
+    res.details["answers"] = lines
+    res.verdict_ok = not bad and not not_4xx
+
+
+def case_api_bad_strings(ctx: Ctx, res: Result) -> None:
+    fn_tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    m_tools = lambda s="f", d="d": [{"name": s, "description": d, "input_schema": {"type": "object"}}]  # noqa: E731
+    fields: List[Tuple[str, str, Callable[[str], Any]]] = [
+        ("r model", RESP, lambda s: _resp_body(model=s)),
+        ("r input", RESP, lambda s: _resp_body(input=s)),
+        ("r instructions", RESP, lambda s: _resp_body(instructions=s)),
+        ("r message text part", RESP, lambda s: _resp_body(input=[{"role": "user", "content": [
+            {"type": "input_text", "text": s}]}])),
+        ("r assistant output_text", RESP, lambda s: _resp_body(input=[
+            {"role": "assistant", "content": [{"type": "output_text", "text": s}]}, {"role": "user", "content": "x"}])),
+        ("r function_call.call_id", RESP, lambda s: _resp_body(tools=fn_tools, input=[
+            {"type": "function_call", "call_id": s, "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": s, "output": "r"}])),
+        ("r function_call.name", RESP, lambda s: _resp_body(tools=fn_tools, input=[
+            {"type": "function_call", "call_id": "c", "name": s, "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "r"}])),
+        ("r function_call.arguments", RESP, lambda s: _resp_body(tools=fn_tools, input=[
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": json.dumps({"a": s})},
+            {"type": "function_call_output", "call_id": "c", "output": "r"}])),
+        ("r function_call_output.output", RESP, lambda s: _resp_body(tools=fn_tools, input=[
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": s}])),
+        ("r tools[0].name", RESP, lambda s: _resp_body(tools=[{"type": "function", "name": s}])),
+        ("r tools[0].description", RESP, lambda s: _resp_body(tools=[{"type": "function", "name": "f",
+                                                                        "description": s}])),
+        ("r tool_choice.name", RESP, lambda s: _resp_body(tools=fn_tools, tool_choice={"type": "function",
+                                                                                        "name": s})),
+        ("r mcp server_label", RESP, lambda s: _resp_body(tools=[{"type": "mcp", "server_label": s}])),
+        ("r text.format.name", RESP, lambda s: _resp_body(text={"format": {"type": "json_schema", "name": s,
+                                                                             "schema": {"type": "object"}}})),
+        ("r metadata value", RESP, lambda s: _resp_body(metadata={"k": s})),
+        ("r metadata key", RESP, lambda s: _resp_body(metadata={s: "v"})),
+        ("r user", RESP, lambda s: _resp_body(user=s)),
+        ("r prompt_cache_key", RESP, lambda s: _resp_body(prompt_cache_key=s)),
+        ("r safety_identifier", RESP, lambda s: _resp_body(safety_identifier=s)),
+        ("r include[0]", RESP, lambda s: _resp_body(include=[s])),
+        ("r previous_response_id", RESP, lambda s: _resp_body(previous_response_id=s)),
+        ("m model", MSGS, lambda s: _msg_body(model=s)),
+        ("m system", MSGS, lambda s: _msg_body(system=s)),
+        ("m system block", MSGS, lambda s: _msg_body(system=[{"type": "text", "text": s}])),
+        ("m content string", MSGS, lambda s: _msg_body(messages=[{"role": "user", "content": s}])),
+        ("m text block", MSGS, lambda s: _msg_body(messages=[{"role": "user", "content": [
+            {"type": "text", "text": s}]}])),
+        ("m tool name", MSGS, lambda s: _msg_body(tools=m_tools(s=s))),
+        ("m tool description", MSGS, lambda s: _msg_body(tools=m_tools(d=s))),
+        ("m tool_use.id + tool_result.tool_use_id", MSGS, lambda s: _msg_body(tools=m_tools(), messages=[
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": s, "name": "f", "input": {"a": s}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": s, "content": s}]}])),
+        ("m tool_choice.name", MSGS, lambda s: _msg_body(tools=m_tools(), tool_choice={"type": "tool", "name": s})),
+        ("m stop_sequences", MSGS, lambda s: _msg_body(stop_sequences=[s])),
+        ("m metadata.user_id", MSGS, lambda s: _msg_body(metadata={"user_id": s})),
+        ("count_tokens system", MSGS + "/count_tokens", lambda s: {"model": MODEL, "system": s,
+                                                                   "messages": [{"role": "user", "content": s}]}),
+    ]
+    attempts = []
+    for label, path, make in fields:
+        attempts.append((f"{label} NUL", path, json.dumps(make("a\x00b")).encode()))
+        attempts.append((f"{label} surrogate", path, json.dumps(make("a\ud800b")).encode()))  # escaped: "\ud800"
+    res.sent = (f"{len(fields)} string fields of both APIs, each once with a NUL and once with a lone surrogate "
+                f"(\\ud800) ({len(attempts)} requests)")
+    res.expected = "surrogate: 400 in the API's shape; NUL: 200 or 4xx; never 5xx"
+    ctx.begin()
+    bad, lines = _send_all(ctx, attempts)
+    sur_ok = [ln for ln in lines if " surrogate: " in ln and not ln.split(": ", 1)[1].startswith("400")]
+    statuses: Dict[str, int] = {}
+    for ln in lines:
+        k = ln.split(": ", 1)[1][:3]
+        statuses[k] = statuses.get(k, 0) + 1
+    res.got = f"statuses {statuses}" + (f"; wrong: {bad}" if bad else "") + \
+        (f"; surrogate not 400: {sur_ok}" if sur_ok else "")
+    res.details["answers"] = lines
+    res.verdict_ok = not bad and not sur_ok
+
+
+def case_api_huge_tool_schema(ctx: Ctx, res: Result) -> None:
+    res.freeze_case = True
+    props = {f"p{i}": {"type": "string", "description": "d" * 20} for i in range(5000)}
+    big = {"type": "object", "properties": props, "required": list(props)}
+    many = [{"type": "function", "name": f"f{i}", "parameters": {"type": "object", "properties": {
+        f"p{j}": {"type": "integer"} for j in range(50)}}} for i in range(400)]
+    attempts = [
+        ("responses 5,000 properties", RESP, _resp_body(tools=[{"type": "function", "name": "f",
+                                                                 "parameters": big}])),
+        ("responses 400 tools x 50 properties", RESP, _resp_body(tools=many)),
+        ("responses text.format 5,000 properties", RESP, _resp_body(text={"format": {
+            "type": "json_schema", "name": "x", "schema": big}})),
+        ("messages 5,000 properties", MSGS, _msg_body(tools=[{"name": "f", "input_schema": big}])),
+        ("messages 400 tools x 50", MSGS, _msg_body(tools=[{"name": t["name"], "input_schema": t["parameters"]}
+                                                           for t in many])),
+        ("count_tokens 5,000 properties", MSGS + "/count_tokens", {
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", "input_schema": big}]}),
+    ]
+    res.sizes = f"{len(json.dumps(big)) // 1000} KB schema; {len(json.dumps(many)) // 1000} KB of tools"
+    res.sent = "function tools / input_schema / text.format with 5,000 properties; 400 tools of 50 properties each"
+    res.expected = "400 (schema too large / context) or 200, the API's shape, /health < 1 s"
+    ctx.begin()
+    bad, lines = _send_all(ctx, attempts, timeout=180)
+    res.got = "; ".join(lines) + (f"; wrong: {bad}" if bad else "")
+    res.verdict_ok = not bad
+
+
+def case_resp_chain30(ctx: Ctx, res: Result) -> None:
+    res.freeze_case = True
+    n = 30
+    res.sizes = f"{n} follow-ups"
+    res.sent = (f"a stored response and {n} follow-ups, each with previous_response_id of the one before "
+                "(a 300-char user turn, a forced 12-word reply)")
+    res.expected = ("every follow-up 200 with cached_tokens > 0; the last follow-ups no slower than 3x the first "
+                    "+ 2 s; store file < 20 MB; /health < 1 s")
+    reply = "Noted, I will remember that detail for the rest of our chat."
+    prev, times, cached, statuses = None, [], [], []
+    ctx.begin()
+    for i in range(n + 1):
+        body = _resp_body(input=f"Turn {i}: " + ("remember the number %d. " % i) * 12, max_output_tokens=64,
+                          interlace={"replay": reply})
+        if prev:
+            body["previous_response_id"] = prev
+        r, dt = ctx.post(RESP, body, key="attacker", timeout=180)
+        statuses.append(r.status_code)
+        if r.status_code != 200:
+            res.got = f"turn {i}: {_brief(r)}"
+            break
+        j = r.json()
+        prev = j["id"]
+        times.append(dt)
+        cached.append(((j.get("usage") or {}).get("input_tokens_details") or {}).get("cached_tokens", 0))
+    path = _store_path(ctx)
+    size = sum(p.stat().st_size for p in path.parent.glob(path.name + "*")) if path.parent.exists() else -1
+    last = ctx.get(f"{RESP}/{prev}", key="attacker")[0] if prev else None
+    if len(times) == n + 1:
+        first5, last5 = sorted(times[1:6])[2], sorted(times[-5:])[2]
+        hits = sum(1 for c in cached[1:] if c > 0)
+        res.got = (f"{n + 1}/{n + 1} answered; median of follow-ups 1-5 {first5:.2f}s, of the last 5 {last5:.2f}s; "
+                   f"cached_tokens > 0 on {hits}/{n} follow-ups (last: {cached[-1]} of the prompt); store file "
+                   f"{size / 1e3:.0f} KB; GET of the last: {last.status_code if last is not None else '-'}")
+        res.verdict_ok = (hits == n and last5 <= 3 * first5 + 2 and 0 < size < 20e6
+                          and last is not None and last.status_code == 200)
+    res.details.update(times_s=[round(t, 2) for t in times], cached_tokens=cached, store_bytes=size)
+
+
+def case_resp_cross_key(ctx: Ctx, res: Result) -> None:
+    secret = f"ADVSECRET-{secrets.token_hex(8)}"
+    res.sent = ("key 'victim' stores a response and starts a background one (its input holds a secret); key "
+                "'attacker' uses their ids: previous_response_id, GET, DELETE, cancel, input_items")
+    res.expected = "404 response_not_found each (as an unknown id), the secret in no answer; victim's still there"
+    r1, _ = ctx.post(RESP, _resp_body(input=f"My password is {secret}."), key="victim")
+    r2, _ = ctx.post(RESP, _resp_body(input=f"Again {secret}, write a long story.", max_output_tokens=200,
+                                      background=True), key="victim")
+    if r1.status_code != 200 or r2.status_code != 200:
+        res.got = f"victim: {_brief(r1)}, background {_brief(r2)}"
+        return
+    ids = [r1.json()["id"], r2.json()["id"]]
+    ctx.begin()
+    answers: List[str] = []
+    leaked, wrong = False, []
+    unknown = f"resp_{secrets.token_hex(16)}"
+    for rid in ids + [unknown]:
+        tries = [("previous_response_id", lambda: ctx.post(RESP, _resp_body(previous_response_id=rid),
+                                                           key="attacker")[0]),
+                 ("GET", lambda: ctx.get(f"{RESP}/{rid}", key="attacker")[0]),
+                 ("input_items", lambda: ctx.get(f"{RESP}/{rid}/input_items", key="attacker")[0]),
+                 ("cancel", lambda: ctx.post(f"{RESP}/{rid}/cancel", {}, key="attacker")[0]),
+                 ("DELETE", lambda: httpx.delete(f"{ctx.url}{RESP}/{rid}", headers=ctx.headers("attacker"),
+                                                 timeout=60))]
+        for what, do in tries:
+            r = do()
+            leaked |= secret in r.text
+            if r.status_code != 404 or not _shape_ok(r, "openai"):
+                wrong.append(f"{'unknown' if rid == unknown else rid[:12]} {what}: {_brief(r)}")
+            if rid != unknown:
+                answers.append(f"{what} {r.status_code}")
+    g1, _ = ctx.get(f"{RESP}/{ids[0]}", key="victim")
+    c2, _ = ctx.post(f"{RESP}/{ids[1]}/cancel", {}, key="victim")
+    d2 = httpx.delete(f"{ctx.url}{RESP}/{ids[1]}", headers=ctx.headers("victim"), timeout=60)
+    still = g1.status_code == 200 and secret in json.dumps(ctx.get(f"{RESP}/{ids[0]}/input_items",
+                                                                   key="victim")[0].json())
+    res.got = (f"attacker on the victim's 2 ids: {sorted(set(answers))}; secret in an answer: {leaked}; "
+               f"victim's GET after: {g1.status_code} (input_items intact: {still}); victim's cancel "
+               f"{c2.status_code} {c2.json().get('status') if c2.status_code == 200 else ''}, delete "
+               f"{d2.status_code}" + (f"; wrong: {wrong}" if wrong else ""))
+    res.verdict_ok = not wrong and not leaked and still and c2.status_code == 200 and d2.status_code == 200
+
+
+BG_LIMIT = 4  # configs/adversarial.yaml: key 'victim' max_concurrent_requests
+
+
+def _background(ctx: Ctx, key: str, tokens: int = 400) -> httpx.Response:
+    return ctx.post(RESP, _resp_body(input="Write a very long story about a dragon and a knight.",
+                                     max_output_tokens=tokens, temperature=0, background=True), key=key)[0]
+
+
+def case_resp_background_limit(ctx: Ctx, res: Result) -> None:
+    n = 3 * BG_LIMIT
+    res.sent = (f"key 'victim' (max_concurrent_requests {BG_LIMIT}) starts {n} background responses "
+                "(400 tokens each); cancels half of those accepted and deletes the others while they run")
+    res.expected = (f"{BG_LIMIT} queued, the rest 429 rate_limit_exceeded; after cancel/delete: none in flight "
+                    "(a new one accepted), deleted ones 404, no engine context left but retained ones")
+    m0 = _metrics(ctx)
+    ctx.begin()
+    got: List[httpx.Response] = [_background(ctx, "victim") for _ in range(n)]
+    ok_ids = [r.json()["id"] for r in got if r.status_code == 200]
+    refused = [r for r in got if r.status_code != 200]
+    refused_ok = all(r.status_code == 429 and _shape_ok(r, "openai") for r in refused)
+    time.sleep(2)
+    inflight = _metrics(ctx)["interlace_key_requests_in_flight"]
+    half = len(ok_ids) // 2
+    cancels = [ctx.post(f"{RESP}/{rid}/cancel", {}, key="victim")[0] for rid in ok_ids[:half]]
+    deletes = [httpx.delete(f"{ctx.url}{RESP}/{rid}", headers=ctx.headers("victim"), timeout=60)
+               for rid in ok_ids[half:]]
+    cancel_status = [c.json().get("status") if c.status_code == 200 else c.status_code for c in cancels]
+    gone = [ctx.get(f"{RESP}/{rid}", key="victim")[0].status_code for rid in ok_ids[half:]]
+    time.sleep(3)
+    m1 = _metrics(ctx)
+    again = _background(ctx, "victim", tokens=4)
+    again_ok = again.status_code == 200
+    if again_ok:
+        rid = again.json()["id"]
+        for _ in range(120):
+            st = ctx.get(f"{RESP}/{rid}", key="victim")[0].json().get("status")
+            if st not in ("queued", "in_progress"):
+                break
+            time.sleep(1)
+        httpx.delete(f"{ctx.url}{RESP}/{rid}", headers=ctx.headers("victim"), timeout=60)
+    leaked = (m1["interlace_replica_contexts"] - m1["interlace_retention_contexts"]) - \
+        (m0["interlace_replica_contexts"] - m0["interlace_retention_contexts"])
+    res.got = (f"accepted {len(ok_ids)}, refused {[_brief(r)[:60] for r in refused[:1]]} x{len(refused)} "
+               f"(in flight then: {inflight:.0f}); cancel -> {cancel_status}; delete -> "
+               f"{[d.status_code for d in deletes]}, GET after -> {gone}; after: in flight "
+               f"{m1['interlace_key_requests_in_flight']:.0f}, contexts {m1['interlace_replica_contexts']:.0f} "
+               f"(retained {m1['interlace_retention_contexts']:.0f}; before {m0['interlace_replica_contexts']:.0f}/"
+               f"{m0['interlace_retention_contexts']:.0f}); a new one: {again.status_code}")
+    res.verdict_ok = (len(ok_ids) == BG_LIMIT and refused_ok and len(refused) == n - BG_LIMIT
+                      and all(s == "cancelled" for s in cancel_status)
+                      and all(d.status_code == 200 for d in deletes) and all(g == 404 for g in gone)
+                      and m1["interlace_key_requests_in_flight"] == 0 and leaked <= 0 and again_ok)
+
+
+def case_resp_delete_running(ctx: Ctx, res: Result) -> None:
+    res.sent = "key 'victim' starts a background response (400 tokens), DELETEs it while in_progress, then GETs it"
+    res.expected = "DELETE 200 at once-ish (< 30 s), then GET 404; the run stopped (nothing in flight, no context)"
+    m0 = _metrics(ctx)
+    ctx.begin()
+    r = _background(ctx, "victim")
+    if r.status_code != 200:
+        res.got = f"start: {_brief(r)}"
+        return
+    rid = r.json()["id"]
+    st = None
+    for _ in range(120):
+        st = ctx.get(f"{RESP}/{rid}", key="victim")[0].json().get("status")
+        if st == "in_progress":
+            break
+        time.sleep(0.25)
+    time.sleep(1)
+    t0 = time.monotonic()
+    d = httpx.delete(f"{ctx.url}{RESP}/{rid}", headers=ctx.headers("victim"), timeout=60)
+    ddt = time.monotonic() - t0
+    g, _ = ctx.get(f"{RESP}/{rid}", key="victim")
+    time.sleep(3)
+    g2, _ = ctx.get(f"{RESP}/{rid}", key="victim")  # the cancelled run must not store itself back
+    m1 = _metrics(ctx)
+    leaked = (m1["interlace_replica_contexts"] - m1["interlace_retention_contexts"]) - \
+        (m0["interlace_replica_contexts"] - m0["interlace_retention_contexts"])
+    res.got = (f"status before: {st}; DELETE {d.status_code} after {ddt:.1f}s; GET {g.status_code}, 3 s later "
+               f"{g2.status_code}; in flight after {m1['interlace_key_requests_in_flight']:.0f}; contexts not "
+               f"retained, vs before: {leaked:+.0f}")
+    res.verdict_ok = (d.status_code == 200 and ddt < 30 and g.status_code == 404 and g2.status_code == 404
+                      and m1["interlace_key_requests_in_flight"] == 0 and leaked <= 0)
+
+
+def case_api_disconnect_stream(ctx: Ctx, res: Result) -> None:
+    n = 50
+    res.sizes = f"{n} streams"
+    res.sent = (f"{n} streams (alternately /v1/responses with store and /v1/messages, max 300 tokens), each "
+                "closed by the client after its first text delta")
+    res.expected = ("every stream started (200); afterwards no engine context but retained ones, KV blocks back "
+                    "to the level before, nothing in flight")
+    m0 = _metrics(ctx)
+    ctx.begin()
+    started, deltas = 0, 0
+    for i in range(n):
+        path = RESP if i % 2 == 0 else MSGS
+        body = (_resp_body(input="Write a long story about a dragon.", max_output_tokens=300, stream=True)
+                if path == RESP else _msg_body(max_tokens=300, stream=True, messages=[
+                    {"role": "user", "content": "Write a long story about a dragon."}]))
+        with httpx.stream("POST", ctx.url + path, json=body, headers=ctx.headers("attacker"), timeout=120) as r:
+            if r.status_code == 200:
+                started += 1
+                for line in r.iter_lines():
+                    if "output_text.delta" in line or "text_delta" in line:
+                        deltas += 1
+                        break
+        # leaving the with-block closes the connection mid-stream
+    time.sleep(5)
+    m1 = _metrics(ctx)
+    leaked = (m1["interlace_replica_contexts"] - m1["interlace_retention_contexts"]) - \
+        (m0["interlace_replica_contexts"] - m0["interlace_retention_contexts"])
+    res.got = (f"{started}/{n} started, {deltas} cut after a text delta; before: contexts "
+               f"{m0['interlace_replica_contexts']:.0f} (retained {m0['interlace_retention_contexts']:.0f}), KV blocks "
+               f"{m0['interlace_replica_kv_blocks_in_use']:.0f}; after: contexts "
+               f"{m1['interlace_replica_contexts']:.0f} (retained {m1['interlace_retention_contexts']:.0f}), KV blocks "
+               f"{m1['interlace_replica_kv_blocks_in_use']:.0f}, "
+               f"in flight {m1['interlace_key_requests_in_flight']:.0f}")
+    res.details.update(before=m0, after=m1)
+    res.verdict_ok = started == n and leaked <= 0 and m1["interlace_key_requests_in_flight"] == 0
+
+
+_LOCKER = """
+import sqlite3, sys
+c = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
+c.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+sys.stdin.readline()
+c.execute("ROLLBACK")
+c.close()
+print("released", flush=True)
+"""
+
+
+def case_resp_store_locked(ctx: Ctx, res: Result) -> None:
+    res.freeze_case = True
+    res.sent = ("another process holds BEGIN EXCLUSIVE on the response store's SQLite file; meanwhile POST "
+                "/v1/responses (stored, and background), GET of a stored one, POST /v1/messages; then it releases")
+    res.expected = ("stored POSTs 503 in OpenAI's shape (no id handed out), GET and Messages unaffected or 503, "
+                    "/health < 1 s; the same POST 200 after the release")
+    pre, _ = ctx.post(RESP, _resp_body(), key="attacker")  # creates the file, and one to GET
+    path = _store_path(ctx)
+    if pre.status_code != 200 or not path.exists():
+        res.got = f"setup: {_brief(pre)}; store file {path} exists: {path.exists()}"
+        return
+    pid = pre.json()["id"]
+    locker = subprocess.Popen([sys.executable, "-c", _LOCKER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = locker.stdout.readline().strip()
+        if line != "locked":
+            res.got = f"the locker did not lock: {line!r}"
+            return
+        ctx.begin()
+        body = _resp_body(input="hello while locked")
+        p, pdt = ctx.post(RESP, body, key="attacker")
+        b, _ = ctx.post(RESP, _resp_body(background=True), key="attacker")
+        g, _ = ctx.get(f"{RESP}/{pid}", key="attacker")
+        m, _ = ctx.post(MSGS, _msg_body(), key="attacker")
+        ns, _ = ctx.post(RESP, _resp_body(store=False), key="attacker")
+    finally:
+        locker.stdin.write("\n")
+        locker.stdin.flush()
+        locker.wait(timeout=30)
+    p2, _ = ctx.post(RESP, body, key="attacker")
+    stored2 = p2.status_code == 200 and ctx.get(f"{RESP}/{p2.json()['id']}", key="attacker")[0].status_code == 200
+    res.got = (f"locked: POST {_brief(p)} after {pdt:.1f}s; background {_brief(b)}; GET {g.status_code}; "
+               f"messages {m.status_code}; store:false {ns.status_code}; released: POST {p2.status_code}, "
+               f"GET of it {'200' if stored2 else 'not found'}")
+    res.verdict_ok = (p.status_code == 503 and _shape_ok(p, "openai") and b.status_code == 503
+                      and _shape_ok(b, "openai") and g.status_code in (200, 503) and m.status_code == 200
+                      and ns.status_code == 200 and stored2)
+
+
+def case_msg_count_tokens_big(ctx: Ctx, res: Result) -> None:
+    res.freeze_case = True
+    chunk = "hello world, " * 80
+    make = lambda n: {"model": MODEL, "messages": [  # noqa: E731
+        {"role": "user", "content": [{"type": "text", "text": chunk}] * n}]}
+    raw, n = _near_limit(make, MAX_BODY)
+    one = {"model": MODEL, "messages": [{"role": "user", "content": ("hello world, " * 400_000)[:MAX_BODY - 200]}]}
+    raw1 = json.dumps(one).encode()
+    res.sizes = f"{n} blocks ({len(raw)} B); one {len(raw1)} B string"
+    res.sent = "POST /v1/messages/count_tokens with a body of max_request_bytes (1 KB text blocks; one 4 MB string)"
+    res.expected = "200 with input_tokens (or 4xx in Anthropic's shape), /health < 1 s"
+    ctx.begin()
+    got, ok = [], True
+    for label, body in (("blocks", raw), ("one string", raw1)):
+        r, dt = ctx.post(MSGS + "/count_tokens", raw=body, key="attacker", timeout=300)
+        ok &= r.status_code == 200 or (400 <= r.status_code < 500 and _shape_ok(r, "anthropic"))
+        got.append(f"{label}: {r.status_code} "
+                   f"{r.json().get('input_tokens') if r.status_code == 200 else _brief(r)} ({dt:.1f}s)")
+    res.got = "; ".join(got)
+    res.verdict_ok = ok
+
+
+def case_msg_tool_turns(ctx: Ctx, res: Result) -> None:
+    res.freeze_case = True
+    n = 2000
+    msgs: List[dict] = [{"role": "user", "content": "start"}]
+    for i in range(n):
+        msgs.append({"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{i}", "name": "f",
+                                                       "input": {"i": i}}]})
+        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}",
+                                                  "content": "ok"}]})
+    tools = [{"name": "f", "input_schema": {"type": "object", "properties": {"i": {"type": "integer"}}}}]
+    body = _msg_body(messages=msgs, tools=tools)
+    res.sizes = f"{n} tool_use/tool_result pairs ({len(json.dumps(body)) // 1000} KB)"
+    res.sent = f"POST /v1/messages (and count_tokens) with {n} alternating tool_use / tool_result turns"
+    res.expected = "messages: 400 context_length_exceeded (Anthropic's shape) or 200; count_tokens 200; /health < 1 s"
+    ctx.begin()
+    r, dt = ctx.post(MSGS, body, key="attacker", timeout=300)
+    c, cdt = ctx.post(MSGS + "/count_tokens", {"model": MODEL, "messages": msgs, "tools": tools}, key="attacker",
+                      timeout=300)
+    res.got = (f"messages: {_brief(r)} ({dt:.1f}s); count_tokens: {c.status_code} "
+               f"{c.json().get('input_tokens') if c.status_code == 200 else _brief(c)} ({cdt:.1f}s)")
+    res.verdict_ok = (r.status_code == 200 or (r.status_code == 400 and _shape_ok(r, "anthropic"))) and \
+        c.status_code == 200
+
+
+def case_msg_error_shape(ctx: Ctx, res: Result) -> None:
+    key = ctx.keys["attacker"]
+    h = {"x-api-key": key, "content-type": "application/json", "anthropic-version": "2023-06-01"}
+    good = json.dumps(_msg_body()).encode()
+    long_prompt = json.dumps(_msg_body(messages=[{"role": "user", "content": "word " * 20_000}])).encode()
+    tries: List[Tuple[str, str, str, Dict[str, str], bytes]] = [
+        ("no key", "POST", MSGS, {"content-type": "application/json"}, good),
+        ("wrong x-api-key", "POST", MSGS, {**h, "x-api-key": "nope"}, good),
+        ("wrong bearer", "POST", MSGS, {"content-type": "application/json", "authorization": "Bearer nope"}, good),
+        ("count_tokens no key", "POST", MSGS + "/count_tokens", {"content-type": "application/json"}, good),
+        ("GET /v1/messages", "GET", MSGS, h, b""),
+        ("unknown path", "POST", MSGS + "/nope", h, good),
+        ("text/plain", "POST", MSGS, {**h, "content-type": "text/plain"}, good),
+        ("invalid JSON", "POST", MSGS, h, b"{\"model\": "),
+        ("not an object", "POST", MSGS, h, b"[]"),
+        ("unknown field", "POST", MSGS, h, json.dumps(_msg_body(foo=1)).encode()),
+        ("missing max_tokens", "POST", MSGS, h, json.dumps({"model": MODEL, "messages": [
+            {"role": "user", "content": "hi"}]}).encode()),
+        ("max_tokens 0", "POST", MSGS, h, json.dumps(_msg_body(max_tokens=0)).encode()),
+        ("unknown model", "POST", MSGS, h, json.dumps(_msg_body(model="nope")).encode()),
+        ("image block", "POST", MSGS, h, json.dumps(_msg_body(messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])).encode()),
+        ("final assistant turn", "POST", MSGS, h, json.dumps(_msg_body(messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "pre"}])).encode()),
+        ("orphan tool_result", "POST", MSGS, h, json.dumps(_msg_body(messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "x", "content": "r"}]}])).encode()),
+        ("context too long", "POST", MSGS, h, long_prompt),
+        ("body too large", "POST", MSGS, h, b" " * (MAX_BODY + 10)),
+        ("server tool asked", "POST", MSGS, h, json.dumps(_msg_body(interlace={"server_tools": ["python"]})).encode()),
+        ("count_tokens max_tokens", "POST", MSGS + "/count_tokens", h, good),
+        ("stream + error", "POST", MSGS, h, json.dumps(_msg_body(stream=True, temperature=2)).encode()),
+    ]
+    res.sent = f"{len(tries)} refusals on /v1/messages paths (auth, method, path, body, fields, limits)"
+    res.expected = "each 4xx {\"type\": \"error\", \"error\": {\"type\", \"message\"}}, never OpenAI's shape or text"
+    ctx.begin()
+    wrong, lines = [], []
+    for label, method, path, hdrs, data in tries:
+        r = httpx.request(method, ctx.url + path, headers=hdrs, content=data or None, timeout=120)
+        fine = 400 <= r.status_code < 500 and _shape_ok(r, "anthropic") and "param" not in r.json().get("error", {})
+        et = r.json().get("error", {}).get("type") if fine else None
+        lines.append(f"{label}: {r.status_code} {et}")
+        if not fine:
+            wrong.append(f"{label}: {r.status_code} {r.headers.get('content-type')} {r.text[:100]!r}")
+    res.got = f"{len(tries) - len(wrong)}/{len(tries)} in Anthropic's shape: " + ", ".join(lines) + \
+        (f"; wrong: {wrong}" if wrong else "")
+    res.verdict_ok = not wrong
+
+
+def case_msg_auth(ctx: Ctx, res: Result) -> None:
+    key = ctx.keys["attacker"]
+    good = _msg_body()
+    cases = [("x-api-key right", {"x-api-key": key}, 200),
+             ("x-api-key wrong", {"x-api-key": key + "x"}, 401),
+             ("x-api-key upper-cased", {"x-api-key": key.upper()}, 401),
+             ("bearer right", {"authorization": f"Bearer {key}"}, 200),
+             ("bearer wrong", {"authorization": "Bearer " + key + "x"}, 401),
+             ("bearer wrong + x-api-key right", {"authorization": "Bearer nope", "x-api-key": key}, 401),
+             ("x-api-key on /v1/responses", {"x-api-key": key}, 200)]
+    res.sent = "x-api-key and Authorization: Bearer, right and wrong, alone and together (Messages; Responses)"
+    res.expected = ("right -> 200, wrong -> 401 in the API's shape; a wrong bearer is not rescued by a right "
+                    "x-api-key")
+    ctx.begin()
+    wrong, lines = [], []
+    for label, hdrs, want in cases:
+        path = RESP if "responses" in label else MSGS
+        body = _resp_body() if path == RESP else good
+        r = httpx.post(ctx.url + path, json=body, headers={"content-type": "application/json", **hdrs}, timeout=120)
+        lines.append(f"{label}: {r.status_code}")
+        if r.status_code != want or (want != 200 and not _shape_ok(r, _dialect(path))):
+            wrong.append(f"{label}: {_brief(r)} (want {want})")
+    # the "bearer right + x-api-key wrong" pair is reported, not judged: bearer is the primary credential
+    r = httpx.post(ctx.url + MSGS, json=good, headers={"authorization": f"Bearer {key}", "x-api-key": "nope"},
+                   timeout=120)
+    lines.append(f"bearer right + x-api-key wrong (reported only): {r.status_code}")
+    res.got = ", ".join(lines) + (f"; wrong: {wrong}" if wrong else "")
+    res.verdict_ok = not wrong
+
+
 # ------------------------------------------------------------------------------------------- the plan
 @dataclass
 class Case:
@@ -1222,6 +1975,23 @@ CASES: List[Case] = [
     Case("py_fork_many", "11", case_py_fork_many, "keyed", deadline_s=480, restart_after=True),
     Case("sessions_per_key", "10", case_sessions_per_key, "keyed", deadline_s=300),
     Case("fairness", "10", case_fairness, "keyed", deadline_s=700, restart_after=True),
+    # issue 33: the Responses and Messages APIs (all with the keyed config)
+    Case("api_big_body", "33", case_api_big_body, "keyed", deadline_s=300),
+    Case("api_many_items", "33", case_api_many_items, "keyed", deadline_s=300),
+    Case("api_deep_nesting", "33", case_api_deep_nesting, "keyed", deadline_s=300),
+    Case("api_unhashable", "33", case_api_unhashable, "keyed", deadline_s=300),
+    Case("api_bad_strings", "33", case_api_bad_strings, "keyed", deadline_s=400),
+    Case("api_huge_tool_schema", "33", case_api_huge_tool_schema, "keyed", deadline_s=300),
+    Case("resp_chain30", "33", case_resp_chain30, "keyed", deadline_s=600),
+    Case("resp_cross_key", "33", case_resp_cross_key, "keyed", deadline_s=300),
+    Case("resp_background_limit", "33", case_resp_background_limit, "keyed", deadline_s=400),
+    Case("resp_delete_running", "33", case_resp_delete_running, "keyed", deadline_s=300),
+    Case("api_disconnect_stream", "33", case_api_disconnect_stream, "keyed", deadline_s=600),
+    Case("resp_store_locked", "33", case_resp_store_locked, "keyed", deadline_s=300),
+    Case("msg_count_tokens_big", "33", case_msg_count_tokens_big, "keyed", deadline_s=400),
+    Case("msg_tool_turns", "33", case_msg_tool_turns, "keyed", deadline_s=400),
+    Case("msg_error_shape", "33", case_msg_error_shape, "keyed", deadline_s=300),
+    Case("msg_auth", "33", case_msg_auth, "keyed", deadline_s=300),
 ]
 
 
@@ -1331,7 +2101,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     keys = {"attacker": "adv-" + secrets.token_hex(16), "victim": "adv-" + secrets.token_hex(16)}
     marker = "ADVMARKER-" + secrets.token_hex(16)
-    env = {"ADV_KEY_ATTACKER": keys["attacker"], "ADV_KEY_VICTIM": keys["victim"], "ADV_MARKER_SECRET": marker}
+    env = {"ADV_KEY_ATTACKER": keys["attacker"], "ADV_KEY_VICTIM": keys["victim"], "ADV_MARKER_SECRET": marker,
+           "INTERLACE_STATE_DIR": str(workdir / "state")}  # the response store's file, per run (_store_path)
     configs = {"default": DEFAULT_CONFIG, "keyed": KEYED_CONFIG}
     info = machine()
     python, cwd = None, ROOT
