@@ -213,7 +213,7 @@ def _info_value(value) -> str:
 
 #: ``interlace bench NAME``: the module of interlace.bench whose ``main`` runs it
 BENCHMARKS = {"engine": "engine", "tools": "tools", "trace": "trace", "apps": "apps", "langchain": "langchain_apps",
-              "zoo": "zoo", "jobs": "agent_jobs"}
+              "zoo": "zoo", "jobs": "agent_jobs", "apis": "api_jobs"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
