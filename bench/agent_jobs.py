@@ -450,14 +450,16 @@ def table(names: Sequence[str], summaries: Dict[str, Dict[str, Any]]) -> List[st
 
 # ------------------------------------------------------------------------------------------- systems
 def _scrape(http_get: Any, url: str) -> Dict[str, float]:
-    """The counters of ``/metrics`` this benchmark records: the gateway's pins and
-    saved prefill, vLLM's prefix-cache queries and hits (name{labels} -> value)."""
+    """The counters of ``/metrics`` this benchmark records: the gateway's pins, retention
+    (hits, misses, evictions by reason), saved prefill and tokens recomputed after a resume,
+    vLLM's prefix-cache queries and hits (name{labels} -> value)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: Dict[str, float] = {}
     for fam in text_string_to_metric_families(http_get(url).text):
         for s in fam.samples:
-            if "pin" in s.name or "prefill_tokens_saved" in s.name or "prefix_cache_" in s.name:
+            if any(k in s.name for k in ("pin", "prefill_tokens_saved", "prefix_cache_", "retention_",
+                                         "recomputed_tokens")):
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
