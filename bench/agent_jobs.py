@@ -627,6 +627,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _workload(args: argparse.Namespace) -> Workload:
+    w = workload(args)
+    if -(-args.kv_tokens // VLLM_CPU_BLOCK) <= MAX_MODEL_LEN // VLLM_CPU_BLOCK:  # vLLM keeps one block back
+        raise BenchError(f"--kv-tokens must hold one whole request (max_model_len {MAX_MODEL_LEN}) and the block "
+                         f"vLLM keeps back: at least {MAX_MODEL_LEN + VLLM_CPU_BLOCK}, got {args.kv_tokens}")
+    return w
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    """The job model of the workload options (``--jobs``, ``--turns``, ``--tool-s`` ...), each checked
+    (:class:`BenchError` naming the option); ``bench apis`` runs the same jobs."""
     for opt in ("jobs", "repeats", "kv_tokens"):
         if getattr(args, opt) < 1:
             raise BenchError(f"--{opt.replace('_', '-')} must be positive, got {getattr(args, opt)}")
@@ -637,9 +647,6 @@ def _workload(args: argparse.Namespace) -> Workload:
         raise BenchError(f"--tool-sigma must be >= 0, got {args.tool_sigma}")
     if not (math.isfinite(args.arrival_s) and args.arrival_s >= 0):
         raise BenchError(f"--arrival-s must be >= 0, got {args.arrival_s}")
-    if -(-args.kv_tokens // VLLM_CPU_BLOCK) <= MAX_MODEL_LEN // VLLM_CPU_BLOCK:  # vLLM keeps one block back
-        raise BenchError(f"--kv-tokens must hold one whole request (max_model_len {MAX_MODEL_LEN}) and the block "
-                         f"vLLM keeps back: at least {MAX_MODEL_LEN + VLLM_CPU_BLOCK}, got {args.kv_tokens}")
     return Workload(args.jobs, parse_range(args.turns, "--turns"), args.tool_s, args.tool_sigma,
                     parse_range(args.result_tokens, "--result-tokens"), args.arrival_s)
 

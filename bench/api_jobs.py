@@ -59,7 +59,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import statistics
 import sys
 import time
@@ -372,18 +371,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _workload(args: argparse.Namespace) -> Workload:
-    for opt in ("jobs", "repeats", "kv_tokens"):
-        if getattr(args, opt) < 1:
-            raise BenchError(f"--{opt.replace('_', '-')} must be positive, got {getattr(args, opt)}")
-    for opt in ("tool_s", "time_scale"):
-        if not (math.isfinite(getattr(args, opt)) and getattr(args, opt) > 0):
-            raise BenchError(f"--{opt.replace('_', '-')} must be a positive number, got {getattr(args, opt)}")
-    if not (math.isfinite(args.tool_sigma) and args.tool_sigma >= 0):
-        raise BenchError(f"--tool-sigma must be >= 0, got {args.tool_sigma}")
-    if not (math.isfinite(args.arrival_s) and args.arrival_s >= 0):
-        raise BenchError(f"--arrival-s must be >= 0, got {args.arrival_s}")
-    return Workload(args.jobs, aj.parse_range(args.turns, "--turns"), args.tool_s, args.tool_sigma,
-                    aj.parse_range(args.result_tokens, "--result-tokens"), args.arrival_s)
+    return aj.workload(args)  # bench jobs' options and checks (without its vLLM cache bound)
 
 
 def _main(args: argparse.Namespace) -> int:
