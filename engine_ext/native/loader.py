@@ -89,7 +89,13 @@ def convert_gguf(gguf_path: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
         save_file(tensors, str(tmp / "model.safetensors"))
         tok.save_pretrained(tmp)
-        os.replace(tmp, out)  # atomic: a half-written directory is never used
+        try:
+            os.replace(tmp, out)  # atomic: a half-written directory is never used
+        except OSError:
+            # another process converted the same file meanwhile (two test workers, two gateways
+            # starting at once): its directory is complete, so ours is dropped
+            if not (out / "model.safetensors").exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
