@@ -101,9 +101,9 @@ class Gateway:
                                    builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules),
                                    plugins=(*self.extra_plugins, *(self.mcp.plugins() if self.mcp else ())))
             self.parsers = ParserRegistry()
-            for name, factory in self.host.parsers().items():
+            for name, factory in (*self.host.parsers().items(), *self.host.reasoning_parsers().items()):
                 self.parsers.register(name, factory)
-            cfg.check_parsers(self.parsers.names())
+            cfg.check_parsers(self.parsers.names(), self.parsers.reasoning_names())
             if any(r["kind"] == "native" for spec in cfg.models.values() for r in spec.replicas):
                 from ..engine_ext.native.setup import set_engine_threads
 
@@ -127,8 +127,10 @@ class Gateway:
                 retention = spec.retention
                 store = (RetentionStore(engine, spec.name, retention, self.metrics, gaps=durations) if retention.enabled
                          and retention.max_contexts > 0 and retention.max_tokens > 0 else None)
-                self.models[spec.name] = ModelServer(spec.name, spec, engine, self.parsers.get(spec.parser),
-                                                     durations=durations, retention=store)
+                self.models[spec.name] = ModelServer(
+                    spec.name, spec, engine, self.parsers.get(spec.parser), durations=durations, retention=store,
+                    reasoning_factory=(self.parsers.get_reasoning(spec.reasoning_parser)
+                                       if spec.reasoning_parser else None))
                 self.metrics.watch_engine(spec.name, engine)
             tools = self.host.tools()
             grants = [cfg.server_tools, *(k.server_tools for k in cfg.api_keys)]  # every caller's, as permissions()

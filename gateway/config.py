@@ -176,6 +176,14 @@ MODEL_SCHEMA = {
                  "description": "'embedded', a Hugging Face model directory, a .gguf file, or zoo/NAME "
                                 "(a variant in the block zoo: `interlace zoo add`)"},
         "parser": {"type": "string", "minLength": 1, "description": "tool-call parser name (default hermes)"},
+        "reasoning_parser": {"type": ["string", "null"], "minLength": 1,
+                             "description": "reasoning parser name (qwen3, deepseek_r1, ...): the model's "
+                                            "reasoning is kept apart from its answer and its calls "
+                                            "(default none: a format that carries reasoning, harmony, "
+                                            "separates it itself)"},
+        "strict_tools": {"type": "boolean",
+                         "description": "constrain every tool's arguments to its schema under tool_choice "
+                                        "auto, as a tool with strict: true is (default false)"},
         **NATIVE_PROPERTIES,
     },
 }
@@ -364,6 +372,10 @@ class ModelSpec:
     policy: PolicySpec = field(default_factory=PolicySpec)
     replicas: List[Dict[str, Any]] = field(default_factory=list)
     retention: RetentionSpec = field(default_factory=RetentionSpec)
+    #: the reasoning parser's name (None: the model's reasoning, if any, is not told apart by a parser)
+    reasoning_parser: Optional[str] = None
+    #: every tool's arguments constrained under tool_choice auto, as for ``strict: true``
+    strict_tools: bool = False
 
     def __repr__(self) -> str:  # never print a remote replica's secret
         shown = [{k: ("***" if k == "api_key" else v) for k, v in r.items()} for r in self.replicas]
@@ -550,13 +562,17 @@ class GatewayConfig:
     mcp_servers: Dict[str, McpServerSpec] = field(default_factory=dict)
     metrics_key: Optional[str] = field(default=None, repr=False)  # server.metrics_key (None: /metrics is open)
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)  # secrets substituted: never printed
-    def check_parsers(self, installed: Iterable[str]) -> None:
-        """:class:`ConfigError` naming the first model whose parser is not ``installed``."""
-        names = sorted(installed)
+    def check_parsers(self, installed: Iterable[str], reasoning: Iterable[str] = ()) -> None:
+        """:class:`ConfigError` naming the first model whose parser (tool-call or reasoning) is not
+        installed (``installed``, ``reasoning``)."""
+        names, thinking = sorted(installed), sorted(reasoning)
         for spec in self.models.values():
             if spec.parser not in names:
                 raise ConfigError(f"{self.source}: models.{spec.name}.parser: unknown parser {spec.parser!r} "
                                   f"(installed: {', '.join(names)})")
+            if spec.reasoning_parser is not None and spec.reasoning_parser not in thinking:
+                raise ConfigError(f"{self.source}: models.{spec.name}.reasoning_parser: unknown reasoning parser "
+                                  f"{spec.reasoning_parser!r} (installed: {', '.join(thinking) or 'none'})")
 
 
 def _substitute_env(node: Any, path: str, source: str, required: bool = True) -> Any:
@@ -628,14 +644,16 @@ def parse_config(data: Any, source: str = "<dict>", *, require_secrets: bool = T
     for name, m in data["models"].items():
         m = {**MODEL_DEFAULTS, **m}
         engine_args = {k: v for k, v in m.items()
-                       if k not in ("engine", "replicas", "path", "parser", *POLICY_PROPERTIES)}
+                       if k not in ("engine", "replicas", "path", "parser", "reasoning_parser", "strict_tools",
+                                    *POLICY_PROPERTIES)}
         own = {k: v for k, v in m.items() if k in POLICY_PROPERTIES}
         policy = _policy(defaults, own, m["kv_cache_tokens"], f"models.{name}", source)
         retention = _retention(defaults, own, m["kv_cache_tokens"])
         replicas = _replicas(data["models"][name], m["path"], engine_args, f"models.{name}", source,
                              sized=bool(_CACHE_SIZING & set(data["models"][name])))
         models[name] = ModelSpec(name, replicas[0]["kind"], m["path"], m["parser"], engine_args, policy, replicas,
-                                 retention)
+                                 retention, reasoning_parser=m.get("reasoning_parser"),
+                                 strict_tools=bool(m.get("strict_tools", False)))
     return GatewayConfig(host=server["host"], port=server["port"], api_keys=_api_keys(server, source),
                          server_tools=server["server_tools"], replay=server["replay"],
                          cors_origins=list(server["cors_origins"]),

@@ -16,6 +16,7 @@ uses them, so a missing dependency fails that model alone, naming it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import time
@@ -58,6 +59,8 @@ class ModelServer:
     #: the per-segment predictions the gateway hints the ranking with (LAMPS), learned per application
     #: over ``lengths`` and ``durations`` (built from them unless given)
     predictor: Optional[SegmentPredictor] = None
+    #: the reasoning parser (``reasoning_parser:``), which wraps the tool-call parser; None: none
+    reasoning_factory: Optional[Callable[..., StreamingParser]] = None
 
     def __post_init__(self) -> None:
         if self.predictor is None:
@@ -88,8 +91,42 @@ class ModelServer:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def new_parser(self) -> StreamingParser:
-        return self.parser_factory()
+    @property
+    def reasons(self) -> bool:
+        """The model's output is parsed for reasoning even when no tool call is: a reasoning parser is
+        configured, or the tool format carries reasoning itself (harmony's analysis channel)."""
+        return self.reasoning_factory is not None or getattr(self.tool_format, "reasoning_keep", None) is not None
+
+    @property
+    def reasoning_format(self) -> Any:
+        """How earlier turns' reasoning is written back into a prompt: the reasoning parser's
+        format, else the tool format's own (harmony), else None (reasoning is not rendered)."""
+        if self.reasoning_factory is not None:
+            return self.reasoning_factory.reasoning  # type: ignore[attr-defined]
+        return self.tool_format if getattr(self.tool_format, "reasoning_keep", None) is not None else None
+
+    @property
+    def special_tokens(self) -> tuple:
+        """Markers the parsers must see in the decoded text: the tool format's and the reasoning's."""
+        extra = self.reasoning_factory.reasoning.special_tokens if self.reasoning_factory is not None else ()  # type: ignore[attr-defined]
+        return tuple(self.tool_format.special_tokens) + tuple(extra)
+
+    def new_parser(self, tools: Optional[Dict[str, Any]] = None, *, calls: bool = True,
+                   prompt_tail: str = "") -> StreamingParser:
+        """A parser for one output stream.  ``tools``: the request's functions (``{name: parameters}``),
+        which formats with untyped arguments type values by; ``calls``: parse tool calls (False: only
+        the reasoning is told apart, the rest is text -- for a model that :attr:`reasons`);
+        ``prompt_tail``: the prompt's last characters, which tell a reasoning parser whether the
+        generation prompt opened the reasoning."""
+        carries = getattr(self.tool_format, "reasoning_keep", None) is not None  # harmony: its own reasoning
+        inner = _make(self.parser_factory, tools) if calls or carries else None
+        if self.reasoning_factory is None:
+            if inner is None:
+                raise ValueError(f"model {self.name!r} has no reasoning to parse apart from tool calls")
+            return inner
+        fmt = self.reasoning_factory.reasoning  # type: ignore[attr-defined]
+        return self.reasoning_factory(inner=inner, starts_inside=fmt.starts_inside(prompt_tail),
+                                      call_markers=getattr(self.tool_format, "call_start", ()) if calls else ())
 
     def grammar(self) -> GrammarCompiler:
         if self._grammar is None:
@@ -97,6 +134,18 @@ class ModelServer:
 
             self._grammar = GrammarCompiler(self.tokenizer, vocab_size=self.engine.vocab_size)
         return self._grammar
+
+
+def _make(factory: Callable[..., StreamingParser], tools: Optional[Dict[str, Any]]) -> StreamingParser:
+    """``factory(tools=tools)`` where the factory takes them (the built-ins do; a plugin's parser
+    written before parsers were told the request's tools may not: it gets none)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "tools" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return factory(tools=tools)
+    return factory()
 
 
 def zoo_engine_specs(cfg: GatewayConfig) -> Dict[str, ModelSpec]:

@@ -46,6 +46,7 @@ from typing import Any
 import pluggy
 
 from ..parsers.formats import FormatError, check_format
+from ..parsers.reasoning import check_reasoning
 from .. import hookspecs
 from ..hookspecs import PROJECT, Veto
 from ..version import __version__
@@ -260,7 +261,9 @@ class PluginHost:
         self._tools: dict[str, Tool] | None = None
         self._tool_owner: dict[str, str] = {}
         self._parsers: dict[str, Callable[[], Any]] | None = None
+        self._reasoning: dict[str, Callable[[], Any]] = {}
         self._parser_owner: dict[str, str] = {}
+        self._reasoning_owner: dict[str, str] = {}
 
     # -- loading -----------------------------------------------------------------------
 
@@ -387,32 +390,47 @@ class PluginHost:
         return [name for name, who in self._tool_owner.items() if who == owner]
 
     def parsers(self) -> dict[str, Callable[[], Any]]:
-        """Parser factories by name (the parsers themselves live in ``interlace.parsers``).
+        """Tool-call parser factories by name (the parsers themselves live in ``interlace.parsers``).
 
         Each factory must carry a valid ``format`` (``interlace.ToolFormat``,
         contract 4); one without is a :class:`PluginLoadError` naming the plugin.
         """
+        return dict(self._collect_parsers()[0])
+
+    def reasoning_parsers(self) -> dict[str, Callable[[], Any]]:
+        """Reasoning parser factories by name (``reasoning_parser:`` in a model config): registered
+        through the same ``register_parsers`` hook, told apart by their ``reasoning`` attribute."""
+        return dict(self._collect_parsers()[1])
+
+    def _collect_parsers(self) -> tuple[dict[str, Callable[[], Any]], dict[str, Callable[[], Any]]]:
         if self._parsers is None:
             collected: dict[str, Callable[[], Any]] = {}
+            reasoning: dict[str, Callable[[], Any]] = {}
 
             def register(name: str, factory: Callable[[], Any]) -> None:
                 owner = self._registering_plugin(f"parser {name!r}")
                 if not isinstance(name, str) or not name or not callable(factory):
                     raise PluginLoadError(f"plugin {owner!r}: register(name, factory) needs a name and a callable")
-                try:  # contract 4: the parser says how its format is written
-                    check_format(getattr(factory, "format", None), f"{name!r} of plugin {owner!r}")
+                kind, into, owners = ("parser", collected, self._parser_owner)
+                try:  # contract 4: the parser says how its format (or its reasoning) is written
+                    if getattr(factory, "reasoning", None) is not None:
+                        kind, into, owners = ("reasoning parser", reasoning, self._reasoning_owner)
+                        check_reasoning(factory.reasoning, f"{name!r} of plugin {owner!r}")
+                    else:
+                        check_format(getattr(factory, "format", None), f"{name!r} of plugin {owner!r}")
                 except FormatError as exc:
                     raise PluginLoadError(str(exc)) from exc
-                if name in collected:
+                if name in into:
                     raise DuplicateRegistration(
-                        f"parser {name!r} is registered by both {self._parser_owner[name]!r} and {owner!r}"
+                        f"{kind} {name!r} is registered by both {owners[name]!r} and {owner!r}"
                     )
-                collected[name] = factory
-                self._parser_owner[name] = owner
+                into[name] = factory
+                owners[name] = owner
 
             self.pm.hook.register_parsers(register=register)
             self._parsers = collected
-        return dict(self._parsers)
+            self._reasoning = reasoning
+        return self._parsers, self._reasoning
 
     # -- runtime hooks -------------------------------------------------------------------
 
@@ -462,6 +480,7 @@ class PluginHost:
         """
         tools = self.tools(include_disabled=True)
         parsers = self.parsers()
+        reasoning = self.reasoning_parsers()
         out = []
         for name, plugin in self._plugins.items():
             dist = self._dists.get(name)
@@ -477,6 +496,7 @@ class PluginHost:
                 "tools": [_describe_tool(tool) for tool_name, tool in tools.items()
                           if self._tool_owner.get(tool_name) == name],
                 "parsers": sorted(p for p in parsers if self._parser_owner.get(p) == name),
+                "reasoning_parsers": sorted(p for p in reasoning if self._reasoning_owner.get(p) == name),
             })
             status = getattr(plugin, "plugin_status", None)
             if callable(status):

@@ -15,6 +15,14 @@ template's own markers and the format's markers become special tokens (see
 text (a tool name or schema key holding a special token) are refused with a
 ``ValueError``.
 
+Earlier turns' reasoning (an assistant message's ``reasoning_content``) is written back as
+the model family's reasoning format says (``reasoning``: a reasoning parser's
+:class:`~interlace.parsers.reasoning.ReasoningFormat`, or a tool format that carries its
+own, harmony's): its ``keep`` says which turns keep it (``"last"``: the assistant turns
+after the last user message, the tool-calling chain in progress; ``"none"``; ``"all"``),
+its ``render`` how.  A chat template that reads ``reasoning_content`` itself (Qwen3's,
+DeepSeek's) gets the field and decides; without a reasoning format it is dropped.
+
 Before any of that, :func:`prompt_bytes_bound` says how many bytes of text
 cannot fit the context whatever they are, so a prompt that is far too long is
 refused without tokenizing it (tokenizing 3.5 MB took 15 s of a shared CPU).
@@ -139,21 +147,53 @@ def _render_results(fmt: ToolFormat, contents: Sequence[str]) -> str:
     return render(contents) if render else "\n".join(fmt.render_result(c) for c in contents)
 
 
+def reasoning_kept(messages: List[Dict[str, Any]], reasoning: Any) -> List[bool]:
+    """Per message, whether its ``reasoning_content`` is written back (see the module docstring)."""
+    keep = None if reasoning is None else (getattr(reasoning, "keep", None)
+                                            or getattr(reasoning, "reasoning_keep", None))
+    if keep == "all":
+        return [True] * len(messages)
+    if keep != "last":
+        return [False] * len(messages)
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    return [i > last_user for i in range(len(messages))]
+
+
+def _reasoning_text(m: Dict[str, Any]) -> str:
+    r = m.get("reasoning_content")
+    if r is None:
+        r = m.get("reasoning")
+    return r if isinstance(r, str) else ""
+
+
+def _render_reasoning(reasoning: Any, text: str) -> str:
+    render = getattr(reasoning, "render", None) or getattr(reasoning, "render_reasoning")
+    return render(text)
+
+
 def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict[str, Any]], fmt: ToolFormat,
-                mark: Mark = lambda s: s) -> str:
+                mark: Mark = lambda s: s, reasoning: Any = None) -> str:
     """The prompt text (chat template applied, generation prompt added), every
     untrusted string passed through ``mark``.  :func:`render_messages` is what
-    serving uses; this is its text, for logs and tests."""
+    serving uses; this is its text, for logs and tests.  ``reasoning``: how the
+    model writes earlier turns' reasoning back (None: it is dropped)."""
     for t in tools:
         if not isinstance(t, dict) or not isinstance(t.get("function"), dict):
             raise ValueError("each tool needs a `function` object")
         _check_plain(tokenizer, t["function"].get("name"), "tools: function name")
     functions = [_mark_leaves(tokenizer, t["function"], mark, "tools", skip_keys=("type", "name", "required"))
                  for t in tools]
+    kept = reasoning_kept(messages, reasoning)
     if template_supports_tools(tokenizer.chat_template):
         msgs = []
-        for m in messages:
+        for m, keep in zip(messages, kept):
             m = dict(m)
+            m.pop("reasoning", None)
+            thought = _reasoning_text(m)
+            if thought and reasoning is not None:  # the template reads it (Qwen3's, DeepSeek's) where it keeps it
+                m["reasoning_content"] = mark(thought)
+            else:
+                m.pop("reasoning_content", None)
             m["content"] = mark(_content_text(m.get("content")))
             for key in ("name", "tool_call_id"):
                 _check_plain(tokenizer, m.get(key), f"messages: {key}")
@@ -171,7 +211,8 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
         return tokenizer.apply_chat_template(msgs, tools=shown or None, add_generation_prompt=True)
 
     out: List[Dict[str, Any]] = []
-    system = [mark(_content_text(m.get("content"))) for m in messages[:1] if m["role"] in ("system", "developer")]
+    system_msgs = [m for m in messages[:1] if m["role"] in ("system", "developer")]
+    system = [mark(_content_text(m.get("content"))) for m in system_msgs]
     rest = messages[len(system):]
     if functions:
         system.append(fmt.instructions(functions))
@@ -184,7 +225,7 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
             out.append({"role": "user", "content": _render_results(fmt, results)})
             results.clear()
 
-    for m in rest:
+    for m, keep in zip(rest, kept[len(system_msgs):]):
         role = m.get("role")
         if role == "tool":
             results.append(mark(_content_text(m.get("content"))))
@@ -194,6 +235,8 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
             out.append({"role": "system", "content": mark(_content_text(m.get("content")))})
         elif role == "assistant":
             text = _content_text(m.get("content"))
+            thought = _reasoning_text(m) if keep else ""
+            head_r = _render_reasoning(reasoning, mark(thought.strip())) if thought.strip() else ""
             calls = []
             for c in m.get("tool_calls") or []:
                 name, args = _arguments(c)
@@ -204,9 +247,9 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
                 # whitespace between calls (returned as content) is the calls' separator
                 text = text if text.strip() else ""
                 head = "" if not text else mark(text) + ("" if text.endswith("\n") else "\n")
-                out.append({"role": "assistant", "content": head + _render_calls(fmt, calls)})
+                out.append({"role": "assistant", "content": head_r + head + _render_calls(fmt, calls)})
             else:
-                out.append({"role": "assistant", "content": mark(text) if text else ""})
+                out.append({"role": "assistant", "content": head_r + (mark(text) if text else "")})
         else:
             out.append({"role": "user", "content": mark(_content_text(m.get("content")))})
     flush_results()
@@ -214,9 +257,9 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
 
 
 def render_messages(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict[str, Any]],
-                    fmt: ToolFormat) -> List[int]:
+                    fmt: ToolFormat, reasoning: Any = None) -> List[int]:
     """The prompt's token ids; client-written strings are tokenized as plain text."""
-    return tokenizer.encode_rendered(lambda mark: render_text(tokenizer, messages, tools, fmt, mark))
+    return tokenizer.encode_rendered(lambda mark: render_text(tokenizer, messages, tools, fmt, mark, reasoning))
 
 
 def _results_turn_text(tokenizer: Any, fmt: ToolFormat, results: Sequence[str], mark: Mark) -> str:

@@ -95,10 +95,11 @@ def check_serve_config(cfg) -> None:
                           builtins=(*BUILTIN_PLUGINS, *cfg.plugin_modules))
         host.tools()
         parsers = host.parsers()
+        reasoning = host.reasoning_parsers()
     except (PluginLoadError, ImportError) as e:
         raise UserError(f"{cfg.source}: plugins: {_plugin_error(e)}") from e
     try:
-        cfg.check_parsers(parsers)
+        cfg.check_parsers(parsers, reasoning)
     except ConfigError as e:
         raise UserError(str(e)) from e
     if any(spec.path.startswith("zoo/") for spec in cfg.models.values()):

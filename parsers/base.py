@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from .events import Event, Text, ToolCallStart
+from .events import Event, Reasoning, Text, ToolCallStart
 
 IdFactory = Callable[[], str]
 _T = TypeVar("_T")
@@ -117,7 +117,12 @@ class StreamingParser:
         """
         return False
 
-    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
+    def __init__(self, *, id_factory: IdFactory | None = None,
+                 tools: Mapping[str, Any] | None = None) -> None:
+        #: the request's functions, ``{name: parameters schema}`` (None: unknown).  Formats whose
+        #: arguments are untyped text (qwen3_coder's and glm45's XML parameters) type each value by
+        #: its schema, as their reference parsers do; the JSON formats ignore it.
+        self.tools: Mapping[str, Any] = tools or {}
         self._buf = ""
         self._out: list[Event] = []
         self._new_id: IdFactory = id_factory or random_call_id
@@ -162,7 +167,9 @@ class StreamingParser:
             return events
         out: list[Event] = []
         for ev in events:
-            if type(ev) is not Text:
+            if type(ev) is Reasoning:  # beside the answer, not in it: neither text nor a call's border
+                out.append(ev)
+            elif type(ev) is not Text:
                 self._layout, self._worded, self._bordered = "", False, True
                 out.append(ev)
             elif self._worded:
@@ -192,6 +199,14 @@ class StreamingParser:
                 out[-1] = Text(out[-1].text + text)  # type: ignore[union-attr]
             else:
                 out.append(Text(text))
+
+    def _emit_reasoning(self, text: str) -> None:
+        if text:
+            out = self._out
+            if out and type(out[-1]) is Reasoning:
+                out[-1] = Reasoning(out[-1].text + text)  # type: ignore[union-attr]
+            else:
+                out.append(Reasoning(text))
 
     def _start_call(self, name: str) -> int:
         """Allocate the next call index and emit its ToolCallStart."""
@@ -241,25 +256,38 @@ class ParserRegistry:
     ``register`` has the signature the ``register_parsers`` hook passes to
     plugins, so ``pm.hook.register_parsers(register=registry.register)`` fills
     it.  Each :meth:`create` returns a fresh parser: one per output stream.
+    Two kinds share the hook and have a namespace each, as a model config names
+    one of each (``parser: glm45``, ``reasoning_parser: glm45``): tool-call
+    parsers carry a ``format``, reasoning parsers (:mod:`.reasoning`) a
+    ``reasoning``.
     """
 
     def __init__(self) -> None:
         self._factories: dict[str, ParserFactory] = {}
+        self._reasoning: dict[str, ParserFactory] = {}
 
     def register(self, name: str, factory: ParserFactory) -> None:
-        """Add a parser; refuses one whose factory has no valid ``format`` (contract 4).
+        """Add a parser; refuses one whose factory has no valid ``format`` (contract 4) or ``reasoning``.
 
         Checking here makes a plugin with an incomplete parser fail when the
         gateway starts (the registry is filled then), with a message naming it,
         rather than falling back to another format's prompt on every request.
         """
         from .formats import check_format
+        from .reasoning import check_reasoning
 
         if not name or not isinstance(name, str):
             raise ValueError(f"parser name must be a non-empty string, got {name!r}")
+        what = f"{name!r} ({getattr(factory, '__qualname__', factory)!r})"
+        if getattr(factory, "reasoning", None) is not None:
+            if name in self._reasoning:
+                raise DuplicateParserError(f"reasoning parser {name!r} is already registered")
+            check_reasoning(factory.reasoning, what)  # type: ignore[attr-defined]
+            self._reasoning[name] = factory
+            return
         if name in self._factories:
             raise DuplicateParserError(f"parser {name!r} is already registered")
-        check_format(getattr(factory, "format", None), f"{name!r} ({getattr(factory, '__qualname__', factory)!r})")
+        check_format(getattr(factory, "format", None), what)
         self._factories[name] = factory
 
     def get(self, name: str) -> ParserFactory:
@@ -268,11 +296,20 @@ class ParserRegistry:
         except KeyError:
             raise UnknownParserError(name, self._factories) from None
 
+    def get_reasoning(self, name: str) -> ParserFactory:
+        try:
+            return self._reasoning[name]
+        except KeyError:
+            raise UnknownParserError(name, self._reasoning) from None
+
     def create(self, name: str) -> StreamingParser:
         return self.get(name)()
 
     def names(self) -> list[str]:
         return sorted(self._factories)
+
+    def reasoning_names(self) -> list[str]:
+        return sorted(self._reasoning)
 
     def __contains__(self, name: object) -> bool:
         return name in self._factories

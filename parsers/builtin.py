@@ -20,6 +20,7 @@ from .code import MarkdownCodeParser
 from .json_formats import HermesParser, Llama3JsonParser, MistralParser
 from .plan import PlanParser
 from .pythonic import PythonicParser
+from .reasoning import REASONING_PARSERS
 
 BUILTIN_PARSERS: dict[str, ParserFactory] = {
     "hermes": HermesParser,
@@ -33,6 +34,9 @@ BUILTIN_PARSERS: dict[str, ParserFactory] = {
 
 @hookimpl
 def register_parsers(register) -> None:  # type: ignore[no-untyped-def]
-    """Register every built-in parser under its config name."""
+    """Register every built-in parser under its config name: the tool-call parsers, then the
+    reasoning parsers (a namespace of their own: ``reasoning_parser:`` in a model config)."""
     for name, factory in BUILTIN_PARSERS.items():
+        register(name, factory)
+    for name, factory in REASONING_PARSERS.items():
         register(name, factory)

@@ -14,6 +14,7 @@ import ast
 import re
 from json.encoder import encode_basestring_ascii as _escape  # C speed, same output as json.dumps
 from collections.abc import Iterable
+from typing import Any
 
 from .base import IdFactory, StreamingParser, quietly
 from .events import ArgumentsDelta, LineComplete, ParserError, ToolCallEnd
@@ -161,8 +162,9 @@ class MarkdownCodeParser(StreamingParser):
         languages: Iterable[str] = ("python", "py", "python3"),
         python_statements: bool = True,
         id_factory: IdFactory | None = None,
+        **kw: Any,
     ) -> None:
-        super().__init__(id_factory=id_factory)
+        super().__init__(id_factory=id_factory, **kw)
         self.tool_name = tool_name
         self.languages = frozenset(lang.lower() for lang in languages)
         self.python_statements = python_statements

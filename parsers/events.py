@@ -33,6 +33,18 @@ class Text:
 
 
 @dataclass(frozen=True, slots=True)
+class Reasoning:
+    """Model reasoning (``<think>`` text, a harmony ``analysis`` channel): never content, never a call.
+
+    Emitted by a reasoning parser (:mod:`.reasoning`) or by a tool-call parser whose format
+    carries reasoning itself (harmony).  The gateway shows it apart from the answer
+    (``reasoning_content``, a Responses reasoning item, a Messages thinking block).
+    """
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallStart:
     """A tool call has begun and its name is known; arguments may follow."""
 
@@ -103,10 +115,11 @@ class ParserError:
     raw: str
 
 
-Event = Union[Text, ToolCallStart, ArgumentsDelta, FieldComplete, LineComplete, ToolCallEnd, ParserError]
+Event = Union[Text, Reasoning, ToolCallStart, ArgumentsDelta, FieldComplete, LineComplete, ToolCallEnd, ParserError]
 
 __all__ = [
     "Text",
+    "Reasoning",
     "ToolCallStart",
     "ArgumentsDelta",
     "FieldComplete",

@@ -121,6 +121,10 @@ class ToolFormat:
     call_end: tuple[str, ...] = ()
     #: special tokens the parser must see in the decoded text (decode with skip_special_tokens=False)
     special_tokens: tuple[str, ...] = ()
+    #: markers that open a call (or call list): the triggers from which ``strict`` tools' arguments are
+    #: constrained under ``tool_choice: "auto"`` (each must be where :meth:`grammar`'s text begins); empty:
+    #: the format has no such marker (a bare JSON object, a Python list) and cannot constrain calls lazily
+    call_start: tuple[str, ...] = ()
     call_separator: str = "\n"
 
     def instructions(self, functions: list[dict[str, Any]]) -> str:

@@ -9,6 +9,7 @@ envelope state machine around it.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from .base import IdFactory, StreamingParser, split_text
 from .events import ParserError
@@ -23,8 +24,8 @@ _NAME_CHARS = re.compile(r"[\w.\-]*")
 class _JsonEnvelopeParser(StreamingParser):
     """Shared plumbing: run the current :class:`JsonCall`, handle its outcome."""
 
-    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
-        super().__init__(id_factory=id_factory)
+    def __init__(self, *, id_factory: IdFactory | None = None, **kw: Any) -> None:
+        super().__init__(id_factory=id_factory, **kw)
         self._state = "text"
         self._call: JsonCall | None = None
         # An error outside any call (bad envelope) is reported once the text it
@@ -239,8 +240,8 @@ class MistralParser(_JsonEnvelopeParser):
     ARGS = "[ARGS]"
     _CALL_STATES = frozenset(("open", "v11name", "elem", "call", "sep", "resync"))
 
-    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
-        super().__init__(id_factory=id_factory)
+    def __init__(self, *, id_factory: IdFactory | None = None, **kw: Any) -> None:
+        super().__init__(id_factory=id_factory, **kw)
         self._single = False
 
     def _feed(self) -> None:  # noqa: C901
@@ -367,8 +368,8 @@ class Llama3JsonParser(_JsonEnvelopeParser):
     MARK = "<|python_tag|>"
     _CALL_STATES = frozenset(("pre", "call", "resync"))
 
-    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
-        super().__init__(id_factory=id_factory)
+    def __init__(self, *, id_factory: IdFactory | None = None, **kw: Any) -> None:
+        super().__init__(id_factory=id_factory, **kw)
         self._state = "start"
         self._tentative = False
         self._prefix = ""  # what introduced the pending call, re-emitted if it is not one

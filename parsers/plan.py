@@ -103,8 +103,8 @@ class PlanParser(StreamingParser):
     name = "plan"
     format = PLAN
 
-    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
-        super().__init__(id_factory=id_factory)
+    def __init__(self, *, id_factory: IdFactory | None = None, **kw: Any) -> None:
+        super().__init__(id_factory=id_factory, **kw)
         self._text_line = False  # the current line is known to be prose
 
     def _feed(self) -> None:

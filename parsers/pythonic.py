@@ -66,8 +66,8 @@ class PythonicParser(StreamingParser):
     START = "<|python_start|>"
     END = "<|python_end|>"
 
-    def __init__(self, *, id_factory: IdFactory | None = None) -> None:
-        super().__init__(id_factory=id_factory)
+    def __init__(self, *, id_factory: IdFactory | None = None, **kw: Any) -> None:
+        super().__init__(id_factory=id_factory, **kw)
         self._state = "start"
         self._prefix = ""
         # list-scanner state, over self._s (the list's text)

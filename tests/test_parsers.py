@@ -32,7 +32,7 @@ from interlace.parsers import (
     UnknownParserError,
     counting_ids,
 )
-from interlace.parsers.events import Event
+from interlace.parsers.events import Event, Reasoning
 from interlace.parsers.formats import FormatError, ToolFormat, check_format
 
 PARSERS: dict[str, type[StreamingParser]] = {
@@ -70,7 +70,7 @@ def run(fmt: str, text: str, cuts: Sequence[int] = ()) -> list[Event]:
 
 
 def normalise(events: Sequence[Event]) -> list[Event]:
-    """Merge adjacent Text events and adjacent same-index ArgumentsDelta events.
+    """Merge adjacent Text events, adjacent Reasoning events and adjacent same-index ArgumentsDelta events.
 
     Everything else (which events, their order, their payloads) must not depend
     on how the output was split into deltas.
@@ -80,6 +80,8 @@ def normalise(events: Sequence[Event]) -> list[Event]:
         last = out[-1] if out else None
         if isinstance(e, Text) and isinstance(last, Text):
             out[-1] = Text(last.text + e.text)
+        elif isinstance(e, Reasoning) and isinstance(last, Reasoning):
+            out[-1] = Reasoning(last.text + e.text)
         elif isinstance(e, ArgumentsDelta) and isinstance(last, ArgumentsDelta) and last.index == e.index:
             out[-1] = ArgumentsDelta(e.index, last.fragment + e.fragment)
         else:

@@ -65,7 +65,7 @@ def build_routes(gw: Any, config: Any) -> List[Route]:
                                 f"{', '.join(gw.models)})", param="model", code="model_not_found")
         try:
             return len(render_messages(model.tokenizer, body["messages"], body.get("tools") or [],
-                                       model.tool_format))
+                                       model.tool_format, model.reasoning_format))
         except ValueError as e:
             raise APIError(400, f"messages could not be rendered for this model: {e}", param="messages",
                            code="invalid_value") from None

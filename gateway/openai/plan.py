@@ -70,13 +70,14 @@ def build_plan(model: ModelServer, body: Dict[str, Any], *, available_tools: Map
     choice = body.get("tool_choice") or ("auto" if tools else "none")
     fmt = model.tool_format
     try:  # the tools stay visible with tool_choice "none" (OpenAI's behaviour)
-        size = len(render_text(model.tokenizer, body["messages"], tools, fmt).encode("utf-8", "surrogatepass"))
+        size = len(render_text(model.tokenizer, body["messages"], tools, fmt,
+                               reasoning=model.reasoning_format).encode("utf-8", "surrogatepass"))
         bound = prompt_bytes_bound(model.tokenizer, model.max_model_len)
         if size > bound:  # cannot fit whatever its tokens: refused before it is tokenized
             raise InvalidInput(f"this model's maximum context length is {model.max_model_len} tokens; the prompt "
                                f"is {size} bytes of text, more than any {model.max_model_len} tokens stand for "
                                f"({bound} bytes)", param="messages", code="context_length_exceeded")
-        prompt = render_messages(model.tokenizer, body["messages"], tools, fmt)
+        prompt = render_messages(model.tokenizer, body["messages"], tools, fmt, model.reasoning_format)
     except ValueError as e:
         raise InvalidInput(f"messages could not be rendered for this model: {e}", param="messages",
                            code="invalid_value")
@@ -114,8 +115,9 @@ def build_plan(model: ModelServer, body: Dict[str, Any], *, available_tools: Map
             top_k=body.get("top_k") or 0, seed=body.get("seed"),
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             logprobs=bool(body.get("logprobs")), logits_processors=processors,
-            # the parser must see the format's special tokens ([TOOL_CALLS], <|python_tag|>) in the text
-            skip_special_tokens=not (parse_tools and fmt.special_tokens))
+            # the parser must see the format's special tokens ([TOOL_CALLS], <|python_tag|>) in the text,
+            # and the reasoning's (<think> where it is a special token) whenever the output is parsed
+            skip_special_tokens=not ((parse_tools or model.reasons) and model.special_tokens))
     except InvalidSampling as e:
         raise InvalidInput(str(e), code="invalid_value")
     offered = {f["name"]: f.get("parameters") for f in (t.get("function", t) for t in tools
