@@ -30,7 +30,9 @@ Decisions, the same for every family here:
   the marker and what follows go to the tool-call parser, so the call is run, not lost.  These
   families' templates never render a call inside the thinking, and their call markers are
   special tokens a model writes only to call; a model that forgets ``</think>`` before its call
-  (#39056) still gets its call made.  A family can turn this off in its format.
+  (#39056) still gets its call made.  That is what the families' reference parsers do (vLLM's
+  and SGLang's qwen3, glm45, kimi_k2; vLLM's mistral), except DeepSeek's, which leave such a
+  call in the reasoning: so does :class:`DeepSeekR1Format` (docs/tool-formats.md has the table).
 * Whitespace that only separates the reasoning from the answer (the ``\\n\\n`` after
   ``</think>``) and the reasoning's own leading/trailing whitespace are layout, not text.
 * Everything after the reasoning is answer: a second ``<think>`` later in the same output is
@@ -236,10 +238,13 @@ class ThinkFormat(ReasoningFormat):
 
 class DeepSeekR1Format(ThinkFormat):
     """DeepSeek-R1 and V3.1/V3.2 (thinking mode): the template opens ``<think>`` in the prompt;
-    earlier turns' reasoning is dropped (R1's template keeps only the answer)."""
+    earlier turns' reasoning is dropped (R1's template keeps only the answer).  A call written
+    before ``</think>`` stays reasoning, as the family's reference parsers (vLLM's and SGLang's
+    deepseek_r1 / deepseek_v3) leave it: DeepSeek's models call after their thinking."""
 
     name = "deepseek_r1"
     keep = "none"
+    calls_end_reasoning = False
 
 
 class GLM45Format(ThinkFormat):

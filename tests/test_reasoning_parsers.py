@@ -118,6 +118,12 @@ def test_a_call_inside_the_reasoning_is_made_not_lost() -> None:
         assert "tool_call" not in reasoning_of(ev) and not text_of(ev)
 
 
+def test_deepseek_leaves_a_call_inside_its_reasoning_as_its_reference_parsers_do() -> None:
+    ev = parse("<think>maybe " + CALL + "</think>done", family="deepseek_r1")
+    assert not [e for e in ev if isinstance(e, ToolCallStart)]
+    assert "get_weather" in reasoning_of(ev) and text_of(ev) == "done"
+
+
 def test_a_family_may_keep_calls_inside_its_reasoning() -> None:
     class Kept(ThinkNoCalls):
         pass
