@@ -142,8 +142,10 @@ def _render_calls(fmt: ToolFormat, calls: Sequence[Tuple[str, Any]]) -> str:
     return render(calls) if render else "\n".join(fmt.render_call(n, a) for n, a in calls)
 
 
-def _render_results(fmt: ToolFormat, contents: Sequence[str]) -> str:
+def _render_results(fmt: ToolFormat, contents: Sequence[str], names: Optional[Sequence[Optional[str]]] = None) -> str:
     render = getattr(fmt, "render_results", None)
+    if render is not None and names is not None and getattr(fmt, "results_named", False):
+        return render(contents, names)  # a result names the call it answers (harmony: ``functions.NAME``)
     return render(contents) if render else "\n".join(fmt.render_result(c) for c in contents)
 
 
@@ -190,8 +192,9 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
             m = dict(m)
             m.pop("reasoning", None)
             thought = _reasoning_text(m)
-            if thought and reasoning is not None:  # the template reads it (Qwen3's, DeepSeek's) where it keeps it
-                m["reasoning_content"] = mark(thought)
+            m.pop("thinking", None)
+            if thought and reasoning is not None:  # the template reads it where it keeps it: Qwen3's and
+                m["reasoning_content"] = m["thinking"] = mark(thought)  # DeepSeek's as reasoning_content, gpt-oss's as thinking
             else:
                 m.pop("reasoning_content", None)
             m["content"] = mark(_content_text(m.get("content")))
@@ -219,16 +222,22 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
     if system:
         out.append({"role": "system", "content": "\n\n".join(s for s in system if s)})
     results: List[str] = []  # consecutive tool results go in one user turn
+    result_names: List[Optional[str]] = []  # the names of the calls they answer
+    call_names: Dict[Any, str] = {}  # tool_call_id -> the name of that call
 
     def flush_results() -> None:
         if results:
-            out.append({"role": "user", "content": _render_results(fmt, results)})
+            out.append({"role": "user", "content": _render_results(fmt, results, result_names)})
             results.clear()
+            result_names.clear()
 
     for m, keep in zip(rest, kept[len(system_msgs):]):
         role = m.get("role")
         if role == "tool":
             results.append(mark(_content_text(m.get("content"))))
+            named = m.get("name") if isinstance(m.get("name"), str) else None
+            _check_plain(tokenizer, named, "messages: name")
+            result_names.append(call_names.get(m.get("tool_call_id")) or named)
             continue
         flush_results()
         if role in ("system", "developer"):
@@ -242,6 +251,8 @@ def render_text(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[Dict
                 name, args = _arguments(c)
                 _check_plain(tokenizer, name, "tool call name")
                 calls.append((name, _mark_leaves(tokenizer, args, mark, "tool call arguments")))
+                if isinstance(c, dict) and isinstance(c.get("id"), str):
+                    call_names[c["id"]] = name
             if calls:
                 # as the model wrote it: text before the calls keeps its own line break, and
                 # whitespace between calls (returned as content) is the calls' separator
@@ -262,9 +273,10 @@ def render_messages(tokenizer: Any, messages: List[Dict[str, Any]], tools: List[
     return tokenizer.encode_rendered(lambda mark: render_text(tokenizer, messages, tools, fmt, mark, reasoning))
 
 
-def _results_turn_text(tokenizer: Any, fmt: ToolFormat, results: Sequence[str], mark: Mark) -> str:
+def _results_turn_text(tokenizer: Any, fmt: ToolFormat, results: Sequence[str], mark: Mark,
+                       names: Optional[Sequence[str]] = None) -> str:
     marker = "\x00CALL\x00"
-    block = _render_results(fmt, [mark(r) for r in results])
+    block = _render_results(fmt, [mark(r) for r in results], names)
     base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
     with_results = base + [{"role": "user", "content": block}]
     a = tokenizer.apply_chat_template(base, add_generation_prompt=False)
@@ -273,9 +285,11 @@ def _results_turn_text(tokenizer: Any, fmt: ToolFormat, results: Sequence[str], 
     return end_of_call + b[len(a):] if b.startswith(a) else b[b.index(marker) + len(marker):]
 
 
-def tool_results_turn(tokenizer: Any, fmt: ToolFormat, results: List[str]) -> List[int]:
+def tool_results_turn(tokenizer: Any, fmt: ToolFormat, results: List[str],
+                      names: Optional[Sequence[str]] = None) -> List[int]:
     """Token ids appended to a paused context after server-side tool calls:
     close the assistant turn, a user turn holding the results (as plain text),
     open a new assistant turn.  Derived from the chat template itself, so it
-    matches the model's turn markers."""
-    return tokenizer.encode_rendered(lambda mark: _results_turn_text(tokenizer, fmt, results, mark))
+    matches the model's turn markers.  ``names``: the calls' names (a format
+    whose results name their call gets them)."""
+    return tokenizer.encode_rendered(lambda mark: _results_turn_text(tokenizer, fmt, results, mark, names))

@@ -13,6 +13,7 @@ from .base import (
     random_call_id,
 )
 from .code import MarkdownCodeParser, PythonStatementSplitter
+from .deepseek import DeepSeekV31Parser
 from .events import (
     ArgumentsDelta,
     Event,
@@ -24,17 +25,25 @@ from .events import (
     ToolCallStart,
 )
 from .formats import FormatError, ToolFormat, check_format
+from .glm45 import Glm45Parser
+from .harmony import HarmonyParser
 from .json_formats import HermesParser, Llama3JsonParser, MistralParser
+from .kimi_k2 import KimiK2Parser
 from .plan import PlanParser
 from .pythonic import PythonicParser
+from .qwen3_coder import Qwen3CoderParser
 
 __all__ = [
     "ArgumentsDelta",
+    "DeepSeekV31Parser",
     "DuplicateParserError",
     "Event",
     "FieldComplete",
     "FormatError",
+    "Glm45Parser",
+    "HarmonyParser",
     "HermesParser",
+    "KimiK2Parser",
     "LineComplete",
     "Llama3JsonParser",
     "MarkdownCodeParser",
@@ -44,6 +53,7 @@ __all__ = [
     "PlanParser",
     "PythonStatementSplitter",
     "PythonicParser",
+    "Qwen3CoderParser",
     "StreamingParser",
     "Text",
     "ToolCallEnd",

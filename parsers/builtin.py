@@ -17,9 +17,14 @@ from __future__ import annotations
 from ..hookspecs import hookimpl
 from .base import ParserFactory
 from .code import MarkdownCodeParser
+from .deepseek import DeepSeekV31Parser
+from .glm45 import Glm45Parser
+from .harmony import HarmonyParser
 from .json_formats import HermesParser, Llama3JsonParser, MistralParser
+from .kimi_k2 import KimiK2Parser
 from .plan import PlanParser
 from .pythonic import PythonicParser
+from .qwen3_coder import Qwen3CoderParser
 from .reasoning import REASONING_PARSERS
 
 BUILTIN_PARSERS: dict[str, ParserFactory] = {
@@ -29,6 +34,11 @@ BUILTIN_PARSERS: dict[str, ParserFactory] = {
     "pythonic": PythonicParser,
     "markdown": MarkdownCodeParser,
     "plan": PlanParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "glm45": Glm45Parser,
+    "harmony": HarmonyParser,
+    "deepseek_v31": DeepSeekV31Parser,
+    "kimi_k2": KimiK2Parser,
 }
 
 

@@ -236,6 +236,7 @@ class HermesFormat(_JsonEnvelope):
 
     name = "hermes"
     call_end = ("</tool_call>",)
+    call_start = ("<tool_call>",)
     special_tokens = ("<tool_call>", "</tool_call>")
 
     def instructions(self, functions: list[dict[str, Any]]) -> str:
@@ -269,6 +270,7 @@ class MistralFormat(_JsonEnvelope):
 
     name = "mistral"
     call_end = ("}]",)
+    call_start = ("[TOOL_CALLS]",)
     special_tokens = ("[TOOL_CALLS]", "[ARGS]")
 
     def instructions(self, functions: list[dict[str, Any]]) -> str:
@@ -306,6 +308,9 @@ class Llama3JsonFormat(_JsonEnvelope):
     name = "llama3_json"
     args_key = "parameters"
     call_end = ("}}",)
+    #: none: the grammar's calls begin with a bare ``{"name": `` (after prose only ``<|python_tag|>``, which the
+    #: grammar does not write, opens a call), so no marker opens every call and nothing else
+    call_start = ()
     special_tokens = ("<|python_tag|>",)
     call_separator = "; "
 
@@ -356,6 +361,7 @@ class PythonicFormat(ToolFormat):
 
     name = "pythonic"
     call_end = (")]",)
+    call_start = ()  # none: a call list opens with "[", which prose writes too
     special_tokens = ("<|python_start|>", "<|python_end|>")
 
     def instructions(self, functions: list[dict[str, Any]]) -> str:
@@ -429,6 +435,7 @@ class MarkdownFormat(ToolFormat):
 
     name = "markdown"
     call_end = ("\n```\n",)
+    call_start = ("```python\n",)
     tool_name = "python"
 
     def instructions(self, functions: list[dict[str, Any]]) -> str:
@@ -473,6 +480,7 @@ class PlanFormat(ToolFormat):
 
     name = "plan"
     call_end = ("join()",)
+    call_start = ()  # none: a plan cannot be forced (see grammar), so neither can it be constrained lazily
     #: a reference to an earlier step's result, ``$N`` or ``${N}``, anywhere in the arguments (strings too)
     REFERENCE = re.compile(r"\$\{?(\d+)\}?")
 
