@@ -126,7 +126,15 @@ class ModelServer:
             return inner
         fmt = self.reasoning_factory.reasoning  # type: ignore[attr-defined]
         return self.reasoning_factory(inner=inner, starts_inside=fmt.starts_inside(prompt_tail),
-                                      call_markers=getattr(self.tool_format, "call_start", ()) if calls else ())
+                                      call_markers=self._call_markers() if calls else ())
+
+    def _call_markers(self) -> tuple:
+        """The tool format's call openings that end a reasoning: those that begin with one of its special
+        tokens (``<tool_call>``, ``[TOOL_CALLS]``, harmony's ``<|channel|>commentary to=``), which a model
+        writes only to call.  A markdown fence is prose a model also thinks in: it does not."""
+        fmt = self.tool_format
+        specials = tuple(getattr(fmt, "special_tokens", ()))
+        return tuple(m for m in getattr(fmt, "call_start", ()) if specials and m.startswith(specials))
 
     def grammar(self) -> GrammarCompiler:
         if self._grammar is None:

@@ -294,4 +294,9 @@ def test_model_parser_composition() -> None:
         bare.new_parser(calls=False)
     assert isinstance(bare.new_parser({"f": {"type": "object"}}), HermesParser)
     assert bare.new_parser({"f": {"type": "object"}}).tools == {"f": {"type": "object"}}
-    assert json.dumps(sorted(REASONING_PARSERS))  # every family is a config name
+    from interlace.parsers import MarkdownCodeParser
+
+    code = ModelServer("c", None, Eng(), MarkdownCodeParser, reasoning_factory=REASONING_PARSERS["qwen3"])  # type: ignore[arg-type]
+    p = code.new_parser({"python": {}})  # a code fence while thinking is thinking, not a call
+    ev = normalise(p.feed("<think>try\n```python\nprint(1)\n```\n</think>ok") + p.finish())
+    assert ev == [Reasoning("try\n```python\nprint(1)\n```"), Text("ok")]
