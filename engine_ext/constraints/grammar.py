@@ -167,6 +167,7 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._tokens: Optional[_TokenTable] = None
+        self._specials: Optional[Tuple[int, ...]] = None
 
     # ----------------------------------------------------------------- grammars
     def json_schema(self, schema: Any) -> Grammar:
@@ -317,6 +318,14 @@ class GrammarCompiler:
         guard = KeyGuard(self._token_table()) if grammar.unique_keys else None
         return GrammarProcessor(matcher, self.eos_token_ids, self.vocab_size, kind=grammar.kind, key_guard=guard,
                                 spec=grammar.spec)
+
+    def special_token_ids(self) -> Tuple[int, ...]:
+        """The vocabulary's special tokens (control tokens such as EOS or ``<|im_start|>``, no text),
+        found once per model (a scan of the vocabulary)."""
+        if self._specials is None:
+            tok = self.ll_tokenizer
+            self._specials = tuple(i for i in range(tok.vocab_size) if tok.is_special_token(i))
+        return self._specials
 
     def _token_table(self) -> "_TokenTable":
         """Every token's bytes and quote count, built once per model (for :class:`KeyGuard`)."""

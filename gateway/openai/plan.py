@@ -28,11 +28,20 @@ Decisions worth knowing:
   never answers.  Here the agent loop is inside one request, so the same
   holds within it: the forced call runs server-side, its result is appended
   and decoding goes on unconstrained (:class:`~.completions.FirstRoundOnly`),
-  so the model answers (or calls again, of its own accord).
+  so the model answers (or calls again, of its own accord; calls of strict
+  tools, if any, are then constrained as under "auto").
+* Strict tools (``strict: true`` on a function tool, or the model's
+  ``strict_tools``) under ``tool_choice: "auto"``: free text stays free and
+  each call, from the format's call marker on, follows its tool's schema
+  (:mod:`~interlace.engine_ext.constraints.strict`), in every round, server-side
+  tool rounds included.  A format with no call marker (llama3_json, pythonic,
+  plan) serves them unconstrained rather than refusing: the OpenAI Agents SDK
+  marks every function tool strict.  With ``response_format`` the answer's
+  schema is the constraint and strict tools are not constrained on top.
 * ``interlace.replay`` keeps the request's constraints: the replayed text
-  must satisfy ``tool_choice`` / ``response_format`` (the first round's text
-  when server-side tools run, since constraints apply to the first round
-  only), else the request is refused with 400.
+  must satisfy ``tool_choice`` / ``response_format`` / strict tools (each piece
+  a round when server-side tools run: forcing covers the first, strict tools
+  every one), else the request is refused with 400.
 * A prompt whose text cannot fit the context whatever its tokens (more bytes
   than ``max_model_len`` times the longest token's) is refused before it is
   tokenized (:func:`gateway.prompt.prompt_bytes_bound`): rendering the text
@@ -46,6 +55,7 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 from ...engine_ext.errors import InvalidSampling
@@ -95,17 +105,16 @@ def build_plan(model: ModelServer, body: Dict[str, Any], *, available_tools: Map
         max_tokens = min(room, default_max_tokens)
     parse_tools = choice != "none" and bool(tools)
     processors = constraint(model, body, tools, choice)
+    if server and processors:  # tool_choice / format constrain the first round, strict tools every round
+        processors = tuple(p if getattr(p, "every_round", False) else FirstRoundOnly(p) for p in processors)
     if ext.get("replay") is not None:
         pieces = [ext["replay"]] if isinstance(ext["replay"], str) else list(ext["replay"])
         piece_ids = [model.tokenizer.encode(p) for p in pieces]
         if processors:
-            # the constraint covers the first round when tools run here, else the whole output
-            constrained = piece_ids[0] if server else [t for p in piece_ids for t in p]
-            check_replay(model, processors, constrained)  # fresh, and replaced by the replay below
+            # each piece is a round when tools run here, else the pieces are one output
+            check_replay(model, processors, piece_ids if server else [[t for p in piece_ids for t in p]])
         eos = min(model.tokenizer.eos_token_ids) if model.tokenizer.eos_token_ids else None
-        processors = (ForcedOutput(piece_ids, eos),)
-    elif server and processors:  # tool_choice / format constrain the first round, not the final answer
-        processors = tuple(FirstRoundOnly(p) for p in processors)
+        processors = (ForcedOutput(piece_ids, eos),)  # the checked processors are spent: the replay replaces them
     stop = body.get("stop")
     try:
         sampling = SamplingParams(
@@ -153,11 +162,21 @@ def server_tools(available: Mapping[str, Any], wanted: Any, tools: List[Dict[str
 
 
 def constraint(model: ModelServer, body: Dict[str, Any], tools: List[Dict[str, Any]], choice: Any) -> tuple:
-    """Logits processors enforcing tool_choice / response_format (constrained decoding)."""
+    """Logits processors enforcing tool_choice / response_format / strict tools (constrained decoding).
+
+    Strict tools (a function tool's ``strict: true``, or every tool with the model's ``strict_tools``)
+    constrain calls under ``tool_choice`` "auto" from the format's call marker on, every round
+    (:mod:`~interlace.engine_ext.constraints.strict`); under "required" / a named function the forcing
+    grammar decides the first round and the strict one the rounds after server-side tool results.  A
+    format that cannot constrain calls lazily (no call marker) serves strict tools unconstrained: the
+    OpenAI Agents SDK marks every function tool strict, so refusing them would refuse it.  With
+    ``response_format`` (and no forcing) the answer's schema is the one constraint."""
     rf = body.get("response_format") or {}
     forced = choice["function"]["name"] if isinstance(choice, dict) else None
     forcing = forced is not None or choice == "required"
-    if not forcing and rf.get("type") not in ("json_object", "json_schema"):
+    json_answer = rf.get("type") in ("json_object", "json_schema")
+    strict = _strict_names(model, tools, choice) if not json_answer or forcing else []
+    if not forcing and not json_answer and not strict:
         return ()
     from ...engine_ext.constraints.grammar import GrammarError
     from ...parsers.formats import CannotForce
@@ -167,43 +186,96 @@ def constraint(model: ModelServer, body: Dict[str, Any], tools: List[Dict[str, A
         raise InvalidInput(f"tool_choice names function {forced!r}, which is not in tools or interlace.server_tools "
                            f"(offered: {', '.join(offered) or 'none'})", param="tool_choice", code="unknown_tool")
     g = model.grammar()
-    try:
-        if forcing:
-            # a named function means one call to it; "required" allows several unless parallel_tool_calls is false
-            grammar = model.tool_format.grammar(g, tools, forced,
-                                                parallel=forced is None and body.get("parallel_tool_calls") is not False)
-        elif rf["type"] == "json_schema":
-            grammar = g.json_schema(rf["json_schema"]["schema"])
-        else:
-            grammar = g.json_object()
-    except GrammarError as e:  # the client's schema or tools: the field at fault, else the constraint asked for
-        raise InvalidInput(str(e), param=e.param or ("tool_choice" if forcing else "response_format"),
-                           code="invalid_value")
-    except CannotForce as e:
-        raise InvalidInput(str(e), param="tools" if str(e).startswith("tools") else "tool_choice",
-                           code="invalid_value")
-    return (g.processor(grammar),)
+    first = None
+    if forcing or json_answer:
+        try:
+            if forcing:
+                # a named function means one call to it; "required" allows several unless parallel_tool_calls is false
+                grammar = model.tool_format.grammar(
+                    g, tools, forced, parallel=forced is None and body.get("parallel_tool_calls") is not False)
+            elif rf["type"] == "json_schema":
+                grammar = g.json_schema(rf["json_schema"]["schema"])
+            else:
+                grammar = g.json_object()
+        except GrammarError as e:  # the client's schema or tools: the field at fault, else the constraint asked for
+            raise InvalidInput(str(e), param=e.param or ("tool_choice" if forcing else "response_format"),
+                               code="invalid_value")
+        except CannotForce as e:
+            raise InvalidInput(str(e), param="tools" if str(e).startswith("tools") else "tool_choice",
+                               code="invalid_value")
+        first = g.processor(grammar)
+    proc = _strict_processor(model, g, body, tools, strict, first) if strict else None
+    if proc is None:
+        proc = first
+    return () if proc is None else (proc,)
 
 
-def check_replay(model: ModelServer, processors: Sequence[Any], ids: List[int]) -> None:
+def _strict_names(model: ModelServer, tools: List[Dict[str, Any]], choice: Any) -> List[str]:
+    """The function tools whose arguments are constrained (none where calls are not parsed)."""
+    if choice == "none" or not tools:
+        return []
+    from ...engine_ext.constraints.strict import strict_functions
+
+    return strict_functions(tools, all_strict=bool(getattr(model.spec, "strict_tools", False)))
+
+
+def _strict_processor(model: ModelServer, g: Any, body: Dict[str, Any], tools: List[Dict[str, Any]],
+                      strict: List[str], first: Any) -> Any:
+    """The strict-tools processor (``first``: the first round's, when tool_choice forces it), or None
+    where the model's format cannot constrain calls lazily.  A schema llguidance cannot enforce is a
+    400 for a tool the client marked strict; a tool strict only by the model's ``strict_tools`` is
+    then served unconstrained (its object shape still is)."""
+    from ...engine_ext.constraints.grammar import GrammarError
+    from ...engine_ext.constraints.strict import CannotTrigger, StrictToolsProcessor, strict_tools_grammar
+    from ...parsers.formats import CannotForce
+
+    asked = {t["function"]["name"] for t in tools if t.get("type", "function") == "function"
+             and t["function"].get("strict") is True}
+    parallel = body.get("parallel_tool_calls") is not False
+    while True:
+        try:
+            grammar = strict_tools_grammar(g, model.tool_format, tools, strict, parallel=parallel)
+            return StrictToolsProcessor.build(g, grammar, first=first)
+        except (CannotTrigger, CannotForce):
+            return None
+        except GrammarError as e:
+            at = re.match(r"tools\[(\d+)\]\.function\.parameters(?:$|[.\[])", e.param or "")
+            guilty = tools[int(at.group(1))]["function"]["name"] if at and int(at.group(1)) < len(tools) else None
+            if guilty is None or guilty in asked or guilty not in strict:
+                raise InvalidInput(str(e), param=e.param or "tools", code="invalid_value") from None
+            strict = [n for n in strict if n != guilty]  # strict by the model's default only: loosen it
+            if not strict:
+                return None
+
+
+def check_replay(model: ModelServer, processors: Sequence[Any], pieces: Sequence[List[int]]) -> None:
     """Refuse (400) a replay the request's constraints would not allow: every
-    token must pass every processor, and the text must be complete (an EOS
-    allowed after it).  Uses the processors as the engine would, on zero
-    logits."""
+    token must pass every processor, and each piece (a round: the output up to
+    a pause for server-side tools, after which the processors get
+    ``on_resume()`` as in the agent loop) must be complete (an EOS allowed
+    after it).  Uses the processors as the engine would, on zero logits."""
     import torch
 
     logits = torch.zeros(model.engine.vocab_size)
     eos = [e for e in model.tokenizer.eos_token_ids if e < logits.shape[0]]
-    for i in range(len(ids) + 1):
-        masked = logits
-        for proc in processors:
-            masked = proc(ids[:i], masked)
-        if i < len(ids) and masked[ids[i]] == float("-inf"):
-            done = model.tokenizer.decode(ids[:i])
-            raise InvalidInput(f"interlace.replay does not satisfy the request's tool_choice / "
-                               f"response_format: the constraint rejects it after {done[-60:]!r}",
-                               param="interlace.replay", code="invalid_value")
-        if i == len(ids) and not any(masked[e] != float("-inf") for e in eos):
-            raise InvalidInput("interlace.replay does not satisfy the request's tool_choice / "
-                               "response_format: the text ends before the constrained output is complete",
-                               param="interlace.replay", code="invalid_value")
+    generated: List[int] = []
+    for k, piece in enumerate(pieces):
+        if k:
+            for proc in processors:
+                if hasattr(proc, "on_resume"):
+                    proc.on_resume()
+        for i in range(len(piece) + 1):
+            ids = generated + list(piece[:i])
+            masked = logits
+            for proc in processors:
+                masked = proc(ids, masked)
+            if i < len(piece) and masked[piece[i]] == float("-inf"):
+                done = model.tokenizer.decode(ids)
+                raise InvalidInput(f"interlace.replay does not satisfy the request's tool_choice / "
+                                   f"response_format / strict tools: the constraint rejects it after {done[-60:]!r}",
+                                   param="interlace.replay", code="invalid_value")
+            if i == len(piece) and not any(masked[e] != float("-inf") for e in eos):
+                raise InvalidInput("interlace.replay does not satisfy the request's tool_choice / "
+                                   "response_format / strict tools: the text ends before the constrained output "
+                                   "is complete", param="interlace.replay", code="invalid_value")
+        generated += list(piece)
