@@ -141,7 +141,9 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
         body={**COMPLETION_REQUEST_SCHEMA, "additionalProperties": False}),
     ("/v1/plugins", "get"): _op("Installed plugins, their tools and parsers", {200: ("plugins", LIST), 401: ERR}),
     ("/v1/chat/completions", "post"): _op(
-        "OpenAI chat completions: tools, structured output, streaming, Interlace extensions (README)",
+        "OpenAI chat completions: tools (arguments streamed member by member; a call that fails after it was "
+        "passed on is withdrawn: interlace.withdrawn_tool_calls), structured output, streaming, a reasoning "
+        "model's reasoning_content, Interlace extensions (README)",
         {200: ("a chat.completion, or server-sent chunks when stream is true",
                {"application/json": {"schema": {"type": "object"}}, **SSE}),
          400: ERR, 401: ERR, 403: ERR, 404: ERR, 413: ERR, 415: ERR, 429: ERR},
@@ -149,8 +151,8 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
         # OpenAI's unimplemented ones are accepted only at their neutral value (wire.UNSUPPORTED)
         body={**CHAT_REQUEST_SCHEMA, "additionalProperties": False}),
     ("/v1/messages", "post"): _op(
-        "Anthropic Messages (Claude Code): text / tool_use / tool_result blocks, tools, tool_choice, streaming "
-        "with Anthropic's events; errors in Anthropic's shape (README)",
+        "Anthropic Messages (Claude Code): text / tool_use / tool_result / thinking blocks, tools, tool_choice, "
+        "streaming with Anthropic's events; errors in Anthropic's shape (README)",
         {200: ("a message, or Anthropic's server-sent events when stream is true",
                {"application/json": {"schema": {"type": "object"}}, **SSE}),
          400: AERR, 401: AERR, 403: AERR, 404: AERR, 413: AERR, 415: AERR, 429: AERR},
@@ -162,8 +164,8 @@ OPERATIONS: Dict[Tuple[str, str], Dict[str, Any]] = {
          400: AERR, 401: AERR, 404: AERR, 413: AERR, 415: AERR, 429: AERR},
         body={**MESSAGES_COUNT_SCHEMA, "additionalProperties": False}),
     ("/v1/responses", "post"): _op(
-        "OpenAI Responses: input items, function and mcp tools, text.format, typed stream events, "
-        "previous_response_id (the kept engine context), background (README)",
+        "OpenAI Responses: input items, function and mcp tools, reasoning items, text.format, typed stream "
+        "events, previous_response_id (the kept engine context), background (README)",
         {200: ("a response, or its typed server-sent events when stream is true",
                {"application/json": {"schema": {"type": "object"}}, **SSE}),
          400: ERR, 401: ERR, 403: ERR, 404: ERR, 413: ERR, 415: ERR, 429: ERR,

@@ -4,9 +4,9 @@
 writes ``"\\n"`` between two ``<tool_call>`` blocks (as the format renders them) and the parser gave
 that separator back as text; a forced call cut short by ``max_tokens`` came back as its raw text
 (``"\\n{\\"name\\":"``).  Whitespace that only borders calls is now the format's layout, not text
-(``parsers/base.py``, for every parser), and a forced round's cut call is dropped
-(``gateway/openai/completions.py``).  Checked here: the parsers on their own (every built-in, every
-split of the output), then over HTTP for every format that can be forced, streamed and not, with
+(``parsers/base.py``, for every parser), and a forced round's cut call is withdrawn, or dropped
+if its name was not decoded yet (``gateway/openai/completions.py``).  Checked here: the parsers on
+their own (every built-in, every split of the output), then over HTTP for every format that can be forced, streamed and not, with
 replays that satisfy the format's grammar (real decoding of the small model would make the
 separator a matter of luck) and once with real decoding, where the issue saw it.  Under ``"auto"``
 whitespace-only content beside calls is null too (OpenAI answers null); text with a word in it
@@ -126,18 +126,34 @@ def test_forced_calls_have_null_content(live, name):
 
 @pytest.mark.parametrize("name", FORCEABLE)
 def test_forced_call_cut_short_is_not_content(live, name):
-    """``max_tokens`` ending a forced reply inside a call: that call is dropped (finish_reason
-    "length"), never shown as content; the calls that closed before it are passed on."""
+    """``max_tokens`` ending a forced reply inside a call: never shown as content, finish_reason
+    "length"; the calls that closed before it are passed on.  The cut call itself was passed on if
+    its name had been decoded (client calls stream: gateway/openai/completions.py): then it is
+    withdrawn, its arguments closed to valid JSON and its index in ``interlace.withdrawn_tool_calls``;
+    if not, it is dropped.  Streamed, the same calls and arguments."""
     f, calls = FORMATS[name], replayed_calls(name)
     text = f.write(calls)
     tok = live.gateway.models[name].tokenizer
     closed = len(tok.encode(f.write(calls[:-1]))) if len(calls) > 1 else 0
     body = forced_body(name, text, max_tokens=closed + 6)  # a few tokens into the last call
     assert closed + 6 < len(tok.encode(text))
-    ch = post(live, body)["choices"][0]
+    answer = post(live, body)
+    ch = answer["choices"][0]
     assert ch["finish_reason"] == "length" and ch["message"]["content"] is None, ch
-    assert [c["function"]["name"] for c in ch["message"].get("tool_calls") or []] == [n for n, _ in calls[:-1]]
-    assert content_deltas(stream(live, body)) == []
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in ch["message"].get("tool_calls") or []]
+    withdrawn = (answer.get("interlace") or {}).get("withdrawn_tool_calls", [])
+    assert [n for i, (n, _) in enumerate(got) if i not in withdrawn] == [n for n, _ in calls[:-1]], (got, withdrawn)
+    assert withdrawn in ([], [len(calls) - 1]), withdrawn
+    assert all(isinstance(json.loads(a), dict) for _, a in got)
+    chunks = stream(live, body)
+    assert content_deltas(chunks) == []
+    streamed: Dict[int, List[str]] = {}
+    for c in chunks:
+        for tc in (c["choices"][0]["delta"].get("tool_calls") or []) if c["choices"] else []:
+            entry = streamed.setdefault(tc["index"], [tc.get("function", {}).get("name"), ""])
+            entry[1] += tc.get("function", {}).get("arguments") or ""
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == got
+    assert (chunks[-1].get("interlace") or {}).get("withdrawn_tool_calls", []) == withdrawn
 
 
 def test_forced_calls_decoded_freely_have_null_content(live):

@@ -224,20 +224,42 @@ BAD_CALLS = {
 }
 
 
-@pytest.mark.parametrize("what", list(BAD_CALLS))
-def test_malformed_client_call_is_content_not_a_tool_call(client, what):
+def test_call_to_a_tool_not_offered_is_content_not_a_tool_call(client):
+    """A call to a tool the request did not offer is never passed on: it comes back as content, and
+    the good sibling after it still comes through, as index 0."""
     good = FORMATS["hermes"].write(FORMATS["hermes"].calls[:1])
-    text = BAD_CALLS[what] + "\n" + good
-    r = client.chat.completions.create(model="hermes", messages=USER, tools=[WEATHER, TIME], max_tokens=150,
-                                       extra_body={"interlace": {"replay": text}})
+    text = BAD_CALLS["tool not offered"] + "\n" + good
+    body = dict(model="hermes", messages=USER, tools=[WEATHER, TIME], max_tokens=150,
+                extra_body={"interlace": {"replay": text}})
+    r = client.chat.completions.create(**body)
     m = r.choices[0].message
-    assert calls_of(m) == FORMATS["hermes"].calls[:1]  # the good sibling still comes through, as index 0
-    assert m.content and ("Paris" in m.content or "rm_rf" in m.content), m.content
-    chunks = list(client.chat.completions.create(model="hermes", messages=USER, tools=[WEATHER, TIME],
-                                                 max_tokens=150, stream=True,
-                                                 extra_body={"interlace": {"replay": text}}))
+    assert calls_of(m) == FORMATS["hermes"].calls[:1] and r.choices[0].finish_reason == "tool_calls"
+    assert m.content and "rm_rf" in m.content, m.content
+    chunks = list(client.chat.completions.create(**body, stream=True))
     got = assemble(chunks)  # no fragment of the bad call ever reached the client
     assert [(c["name"], json.loads(c["arguments"])) for c in got] == FORMATS["hermes"].calls[:1]
+
+
+@pytest.mark.parametrize("what", ["broken JSON", "arguments not an object"])
+def test_malformed_client_call_is_withdrawn(client, what):
+    """A call to an offered tool is passed on at its name; when it then turns out malformed it is
+    withdrawn (completions.py): its arguments are closed to a valid JSON object, decoding stops (the
+    good sibling after it is never decoded), ``finish_reason`` is "stop", never "tool_calls", and
+    ``interlace.withdrawn_tool_calls`` names it -- streamed or not, the same answer."""
+    good = FORMATS["hermes"].write(FORMATS["hermes"].calls[:1])
+    text = BAD_CALLS[what] + "\n" + good
+    body = dict(model="hermes", messages=USER, tools=[WEATHER, TIME], max_tokens=150,
+                extra_body={"interlace": {"replay": text}})
+    r = client.chat.completions.create(**body)
+    ch = r.choices[0]
+    assert calls_of(ch.message) == [("get_weather", {})] and ch.message.content is None, ch.message
+    assert ch.finish_reason == "stop" and r.model_extra["interlace"]["withdrawn_tool_calls"] == [0]
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    got = assemble(chunks)
+    assert [(c["name"], c["arguments"]) for c in got] == [(tc.function.name, tc.function.arguments)
+                                                          for tc in ch.message.tool_calls]
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == "stop" and last.model_extra["interlace"]["withdrawn_tool_calls"] == [0]
 
 
 def test_unknown_tool_in_server_loop_is_an_error_result(client):

@@ -29,8 +29,8 @@ from ..errors import APIError, GatewayError, anthropic_body, engine_error
 from ..http_guard import until_disconnected
 from ..metrics import Metrics
 from ..openai import wire as chat_wire
-from ..openai.completions import CallStart, CompletionPlan, Content, Finish, run_completion
-from ..openai.routes import prepare_plan
+from ..openai.completions import CompletionPlan, Finish, run_completion
+from ..openai.routes import FIRST_TOKEN, prepare_plan
 from ..openai.streaming import ClosingStreamingResponse, chain, first_event, stream_error
 from ..prompt import render_messages
 from . import wire
@@ -113,7 +113,7 @@ async def _translated(metrics: Metrics, model: ModelServer, plan: CompletionPlan
     (``window``: :class:`wire.Blocks`'s)."""
     blocks, first = wire.Blocks(window), True
     async for ev in events:
-        if first and isinstance(ev, (Content, CallStart)):
+        if first and isinstance(ev, FIRST_TOKEN):
             metrics.ttft.labels(model.name).observe(time.perf_counter() - plan.arrived_at)
             first = False
         if isinstance(ev, Finish):

@@ -37,10 +37,21 @@ Decisions worth knowing (README, "Anthropic Messages (Claude Code)"):
   stops at the window with ``stop_reason: "model_context_window_exceeded"``,
   as Anthropic's current models do (Claude Code asks for 32,000 tokens by
   default, more than a small model's whole context).
-* ``thinking`` is accepted (disabled, enabled with a budget, adaptive):
-  a budget bounds the thinking, and this model writes none (no reasoning
-  parser yet: issue 34), which every budget allows; the answer has no
-  thinking blocks.  ``role: "system"`` turns inside ``messages`` (Claude
+* ``thinking`` is accepted (disabled, enabled with a budget, adaptive): a
+  budget bounds the thinking and is not enforced apart from ``max_tokens``.
+  A model configured with a reasoning parser answers its reasoning as a
+  ``thinking`` block (``signature`` empty: nothing signs it) before its text
+  and ``tool_use`` blocks, streamed with ``thinking_delta`` and closed with a
+  ``signature_delta`` as Anthropic's are; a model without one writes no
+  thinking blocks.  Assistant ``thinking`` blocks sent back become the turn's
+  ``reasoning_content`` (the prompt renderer decides whether the model sees
+  them again; the signature is not checked), ``redacted_thinking`` blocks are
+  dropped (nothing here can read them).
+* A ``tool_use`` block that the loop withdrew (it failed after it was passed
+  on: completions.py) keeps a valid JSON ``input``, and the message's
+  ``stop_reason`` is ``max_tokens`` when the output limit cut it, else
+  ``end_turn`` -- never ``tool_use``, so Claude Code does not run it.
+* ``role: "system"`` turns inside ``messages`` (Claude
   Code's mid-conversation system messages) are system messages where they
   stand.  A system block that starts with ``x-anthropic-billing-header:``
   (Claude Code's first block, different on every request) is not rendered:
@@ -62,7 +73,7 @@ import jsonschema
 
 from ..errors import APIError, GatewayError, api_error
 from ..openai import wire as chat_wire
-from ..openai.completions import CallArgs, CallStart, Content, Finish
+from ..openai.completions import CallArgs, CallStart, Content, Finish, ReasoningText
 from ..sampling import INT32_MAX, RequestValidator
 
 #: Anthropic's ``cache_control``: accepted, no effect (see the module docstring).
@@ -80,9 +91,17 @@ TOOL_RESULT_BLOCK = {"type": "object", "required": ["type", "tool_use_id"], "add
                                     "content": {"oneOf": [{"type": "string"},
                                                           {"type": "array", "items": TEXT_BLOCK}]},
                                     "is_error": {"type": "boolean"}, "cache_control": CACHE_CONTROL}}
+#: An assistant turn's thinking, sent back (its text becomes the turn's reasoning_content; the
+#: signature, opaque to clients, is not checked), and Anthropic's redacted thinking (dropped).
+THINKING_BLOCK = {"type": "object", "required": ["type", "thinking"], "additionalProperties": False,
+                  "properties": {"type": {"const": "thinking"}, "thinking": {"type": "string"},
+                                 "signature": {"type": ["string", "null"]}}}
+REDACTED_THINKING_BLOCK = {"type": "object", "required": ["type", "data"], "additionalProperties": False,
+                           "properties": {"type": {"const": "redacted_thinking"}, "data": {"type": "string"}}}
 #: The block types each role may send.
 BLOCKS = {"user": {"text": TEXT_BLOCK, "tool_result": TOOL_RESULT_BLOCK},
-          "assistant": {"text": TEXT_BLOCK, "tool_use": TOOL_USE_BLOCK},
+          "assistant": {"text": TEXT_BLOCK, "tool_use": TOOL_USE_BLOCK, "thinking": THINKING_BLOCK,
+                        "redacted_thinking": REDACTED_THINKING_BLOCK},
           # a system turn inside the conversation (Claude Code's mid-conversation system messages)
           "system": {"text": TEXT_BLOCK}}
 
@@ -117,7 +136,7 @@ REQUEST_SCHEMA: Dict[str, Any] = {
         "stream": {"type": "boolean"},
         "metadata": {"type": "object", "additionalProperties": False,
                      "properties": {"user_id": {"type": ["string", "null"], "maxLength": 256}}},
-        # a budget is a bound: this model writes no thinking blocks, which every budget allows (module docstring)
+        # a budget is a bound, not enforced apart from max_tokens (module docstring)
         "thinking": {"type": "object", "required": ["type"], "additionalProperties": False,
                      "properties": {"type": {"enum": ["disabled", "enabled", "adaptive"]},
                                     "budget_tokens": {"type": "integer", "minimum": 1024, "maximum": INT32_MAX},
@@ -186,7 +205,7 @@ def _check_fields(body: Any, count: bool) -> None:
 
 def _check_blocks(messages: Any) -> None:
     """Each content block against its role's block types: an unknown or unsupported type (an image,
-    a document, a thinking block) is named as such, not as the schema's best guess."""
+    a document, a server-tool block) is named as such, not as the schema's best guess."""
     for i, m in enumerate(messages if isinstance(messages, list) else ()):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in BLOCKS \
                 or not isinstance(m.get("content"), list):
@@ -293,7 +312,9 @@ def to_chat(body: Dict[str, Any]) -> Dict[str, Any]:
                      for b in blocks if b["type"] == "tool_use"]
             if len({c["id"] for c in calls}) != len(calls):
                 raise _refuse(f"messages[{last}]: tool_use ids must be unique", f"messages[{last}].content")
-            messages.append({"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})})
+            thoughts = [b["thinking"] for b in blocks if b["type"] == "thinking"]
+            messages.append({"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {}),
+                             **({"reasoning_content": BLOCK_SEPARATOR.join(thoughts)} if thoughts else {})})
             asked = {c["id"]: last for c in calls}
             continue
         texts: List[str] = []
@@ -406,8 +427,9 @@ def sse(event: Dict[str, Any]) -> bytes:
 
 
 class Blocks:
-    """The agent loop's events as Anthropic's stream events: text and ``tool_use`` blocks in order,
-    each opened, filled and closed.  Whitespace the model writes before a call is not a block (the
+    """The agent loop's events as Anthropic's stream events: thinking, text and ``tool_use`` blocks
+    in order, each opened, filled and closed (a thinking block with a ``signature_delta`` of its
+    empty signature before it closes, as Anthropic's).  Whitespace the model writes before a call is not a block (the
     chat path renders it away when the conversation comes back, so the follow-up's tokens match);
     whitespace before text is kept with it.  The non-streamed answer is these events folded
     (:func:`fold`), so both answers are one translation."""
@@ -429,13 +451,21 @@ class Blocks:
     def close(self) -> List[Dict[str, Any]]:
         if self.open is None:
             return []
+        out: List[Dict[str, Any]] = []
+        if self.open == "thinking":
+            out.append({"type": "content_block_delta", "index": self.n - 1,
+                        "delta": {"type": "signature_delta", "signature": ""}})
         self.open = None
-        return [{"type": "content_block_stop", "index": self.n - 1}]
+        return out + [{"type": "content_block_stop", "index": self.n - 1}]
 
     def _text(self, text: str) -> List[Dict[str, Any]]:
         return [{"type": "content_block_delta", "index": self.n - 1, "delta": {"type": "text_delta", "text": text}}]
 
     def feed(self, ev: Any) -> List[Dict[str, Any]]:
+        if isinstance(ev, ReasoningText):
+            out = [] if self.open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
+            return out + [{"type": "content_block_delta", "index": self.n - 1,
+                           "delta": {"type": "thinking_delta", "thinking": ev.text}}]
         if isinstance(ev, Content):
             if self.open == "text":
                 return self._text(ev.text)
@@ -473,8 +503,13 @@ def fold(msg: Dict[str, Any], events: List[Dict[str, Any]]) -> Dict[str, Any]:
         if e["type"] == "content_block_start":
             msg["content"].append(dict(e["content_block"]))
         elif e["type"] == "content_block_delta":
-            if e["delta"]["type"] == "text_delta":
+            kind = e["delta"]["type"]
+            if kind == "text_delta":
                 msg["content"][e["index"]]["text"] += e["delta"]["text"]
+            elif kind == "thinking_delta":
+                msg["content"][e["index"]]["thinking"] += e["delta"]["thinking"]
+            elif kind == "signature_delta":
+                msg["content"][e["index"]]["signature"] = e["delta"]["signature"]
             else:
                 args[e["index"]] = args.get(e["index"], "") + e["delta"]["partial_json"]
         elif e["type"] == "content_block_stop" and e["index"] in args:

@@ -22,21 +22,58 @@ earlier calls' results (the plan format's ``$N``), the format says which
 call ends the calls, which calls a call waits for, the arguments its tool
 gets and how its result reads back.
 
-Malformed calls.  A client call is passed on only once it is known to be well
-formed: its name is one of the offered tools and its arguments are a JSON
-object with finite numbers.  So client calls are buffered while they decode:
-``CallStart`` and the whole arguments (one ``CallArgs``, canonical JSON) come
-together when the call closes.  Streaming clients see a call's arguments at
-its end rather than token by token; in exchange no client ever receives
-argument fragments it has to take back.  A malformed client call (broken
-JSON, arguments that are not an object, a tool that was not offered) becomes
-``Content``: its raw text when the parser has it, else the call as the format
-renders it.  A malformed *server-side* call becomes an error result that the
-model sees (for an unknown tool, the error names the offered tools).  In a
-round forced by ``tool_choice`` (``CompletionPlan.forced_calls``) the grammar
-lets only calls through, so a call that fails there was cut short by
-``max_tokens``: it is dropped (``finish_reason="length"``, ``content`` null),
-never shown as content.
+Client calls stream; a call that turns out malformed is withdrawn.  A client
+call is passed on (``CallStart``) as soon as its name is known and is one of
+the offered tools; a call to any other name is held and becomes ``Content``
+at its end (its text as the format renders it).  Its arguments are released
+(``CallArgs``) at member granularity: the parser's ``ArgumentsDelta``
+fragments are buffered, and at each ``FieldComplete`` (the parser sends the
+deltas covering a value before it) the buffer goes out if what the client
+then holds is a JSON object once ``}`` is appended (checked, not assumed:
+arguments that came as a JSON-encoded string are released at the end); the
+rest goes out at ``ToolCallEnd``.  The markdown code tool has no member
+boundary before its end (its ``LineComplete`` units are inside one JSON
+string, ``{"code": "...``), so its arguments go out whole when the fence
+closes.  So the client holds a valid JSON object
+prefix at every moment: OpenAI's delta shape (the first delta carries id,
+type and name, later ones argument fragments).  The released text is the
+model's bytes for the JSON formats and the parser's JSON rendering for the
+others (pythonic, markdown); where the arguments the client gets differ from
+what the parser streamed (a plan step's positional arguments, named by the
+tool's schema, have no ``FieldComplete``), nothing was released before the end
+and the end releases ``json.dumps`` of the final arguments.  The non-streamed
+answer is the same fragments joined: both carry the same string.
+
+A passed-on call that then fails (broken JSON after some members, arguments
+that are not an object, non-finite numbers, or a call still open when
+``max_tokens`` or the end of the output cut it) is *withdrawn*: the loop
+releases the closing text that makes what was sent a valid JSON object
+(``}``, or ``{}`` when nothing was released), stops decoding there (nothing
+after a broken call is worth decoding; the context is handled as on any
+finish), and the completion ends with ``finish_reason="length"`` when a limit
+cut the call, else ``"stop"`` -- never ``"tool_calls"``, so a client that
+checks ``finish_reason`` (as OpenAI's documentation asks) does not run it.
+``Finish.withdrawn`` lists the withdrawn call's index (the APIs show it: chat
+completions' ``interlace.withdrawn_tool_calls``, a Responses ``function_call``
+item with ``status: "incomplete"``, a Messages ``stop_reason`` other than
+``tool_use``).  A malformed call that was never passed on (a tool that was
+not offered, a failure before the name) becomes ``Content``: its raw text
+when the parser has it.  A malformed *server-side* call becomes an error
+result that the model sees (for an unknown tool, the error names the offered
+tools).  In a round forced by ``tool_choice`` (``CompletionPlan.forced_calls``)
+the grammar lets only calls through, so a call that fails there was cut
+short by ``max_tokens``: withdrawn if it was passed on, else dropped
+(``finish_reason="length"``, ``content`` null), never shown as content.
+With ``parallel_tool_calls: false`` decoding stops once the first client call
+is complete; with ``tool_choice: "none"`` no call is passed on (a format that
+parses its calls anyway, because it carries the reasoning too, gets them back
+as content).
+
+Reasoning.  A model with a reasoning parser (``model.reasons``) has its output
+parsed even when no tool call is (``parse_tools`` False: the parser is made
+with ``calls=False``); the parser's ``Reasoning`` events become
+``ReasoningText``, never ``Content`` (chat completions' ``reasoning_content``,
+a Responses reasoning item, a Messages thinking block).
 
 Numbering.  Client calls are numbered from 0 in the order they are passed on,
 server calls separately from 0 (``CallStart.server`` / ``CallArgs.server`` say
@@ -76,7 +113,9 @@ if TYPE_CHECKING:  # the seams' types (imports for annotations only)
     from ..tools.call import ToolCall
     from ..tools.runtime import ToolRuntime
 from ...engine_ext.protocol import PauseHint, RequestHint, SamplingParams
-from ...parsers.events import ArgumentsDelta, FieldComplete, LineComplete, ParserError, Text, ToolCallEnd, ToolCallStart
+from ...parsers.events import (ArgumentsDelta, FieldComplete, LineComplete, ParserError, Reasoning, Text, ToolCallEnd,
+                               ToolCallStart)
+from ...parsers.jsonscan import loads as strict_loads
 from ..prompt import tool_results_turn
 from ..tools.base import InvalidToolArguments, ToolError
 
@@ -91,6 +130,13 @@ ANSWER_RESERVE_TOKENS = 64
 # ------------------------------------------------------------------ events out
 @dataclass
 class Content:
+    text: str
+
+
+@dataclass
+class ReasoningText:
+    """The model's reasoning (a reasoning parser's ``Reasoning``): never content, never a call."""
+
     text: str
 
 
@@ -149,6 +195,8 @@ class Finish:
     #: the stop string that ended the output (``reason == "stop"``); None when an end-of-sequence
     #: token or a limit ended it (Anthropic's ``stop_sequence`` needs to know which)
     stop_sequence: Optional[str] = None
+    #: the client calls that were passed on and then withdrawn (their indices; see the module docstring)
+    withdrawn: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -175,6 +223,9 @@ class CompletionPlan:
     #: when the request arrived (``time.perf_counter()``; the route sets it as its handler starts):
     #: the time to first token is measured from it
     arrived_at: float = field(default_factory=time.perf_counter)
+    #: tell a reasoning model's reasoning apart from its answer (False: the legacy text completions,
+    #: whose raw prompt has no chat template, get the output as it is)
+    parse_reasoning: bool = True
 
 
 class FirstRoundOnly:
@@ -216,6 +267,9 @@ class _Call:
     ignored: bool = False          # the end of the calls (the format's ends_calls: a plan's join()), runs nothing
     ended: bool = False            # the parser closed it (ToolCallEnd or ParserError)
     emitted: bool = False          # a client call passed on to the client
+    withdrawn: bool = False        # a client call passed on, then withdrawn (it failed)
+    released: str = ""             # a client call's arguments text passed on so far
+    held: str = ""                 # a client call's argument fragments not passed on yet
     started_at: float = field(default_factory=time.time)
 
 
@@ -272,12 +326,22 @@ class _Turn:
         self.n_server = 0
         self.abort_round = False           # an argument failed early: pause now
         self.stop_now = False              # parallel_tool_calls=false and a client call was passed on
+        self.withdrawn: List[int] = []     # client calls passed on, then withdrawn (their indices)
         self.forced = plan.forced_calls    # this round's output is grammar-forced calls (the first round)
+
+    @property
+    def cut(self) -> bool:
+        """A passed-on call was withdrawn: decoding stops here (the module docstring)."""
+        return bool(self.withdrawn)
 
     # -- parser events -----------------------------------------------------
     def handle(self, pe: Any) -> List[Any]:
+        if self.stop_now or self.withdrawn:
+            return []  # decoding stops at this token: nothing after the last call is passed on
         if isinstance(pe, Text):
             return [Content(pe.text)] if pe.text else []
+        if isinstance(pe, Reasoning):
+            return [ReasoningText(pe.text)] if pe.text else []
         if isinstance(pe, ToolCallStart):
             return self._start(pe)
         call = self._current(getattr(pe, "index", None))
@@ -288,13 +352,26 @@ class _Turn:
         if call is None or call.ignored:
             return []
         if isinstance(pe, ArgumentsDelta):
-            # client calls are passed on whole at their end (see the module docstring)
-            return [CallArgs(call.index, pe.fragment, server=True)] if call.server else []
+            if call.server:
+                return [CallArgs(call.index, pe.fragment, server=True)]
+            if call.emitted:
+                call.held += pe.fragment  # released member by member (see the module docstring)
+            return []
         if isinstance(pe, (FieldComplete, LineComplete)):
             self._feed_tool(call, pe)
+            if call.emitted and isinstance(pe, FieldComplete):
+                return self._release(call)
             return []
         if isinstance(pe, ToolCallEnd):
             return self._end(call, pe.arguments)
+        return []
+
+    def end_of_output(self) -> List[Any]:
+        """The output ended (after the parser's ``finish``): a passed-on call still open is withdrawn
+        (every parser reports an unterminated call, so this is a safety net)."""
+        for call in self.round:
+            if call.emitted and not call.ended and not self.withdrawn:
+                return self._withdraw(call)
         return []
 
     def _current(self, parser_index: Optional[int]) -> Optional[_Call]:
@@ -308,6 +385,11 @@ class _Turn:
         if self.fmt.ends_calls(pe.name):  # the end of the calls, not a tool
             self.round.append(_Call(-1, pe.id, pe.name, True, ignored=True, ended=True))
             return []
+        if not plan.parse_tools:  # a format that carries reasoning parses its calls anyway (harmony): content
+            call = _Call(-1, pe.id, pe.name, False)
+            self.calls.append(call)
+            self.round.append(call)
+            return []
         if pe.name in plan.server_tools or (plan.server_tools and pe.name not in plan.offered_tools):
             call = _Call(self.n_server, pe.id, pe.name, True, tool=plan.server_tools.get(pe.name))
             self.n_server += 1
@@ -318,10 +400,14 @@ class _Turn:
             if call.tool is not None and plan.partial_execution:
                 _start(call, self.runtime, plan, self.calls, self.fmt)  # the tool starts now, decoding goes on
             return [CallStart(call.index, call.id, call.name, True)]
-        call = _Call(-1, pe.id, pe.name, False)  # a client call: held until it is known to be well formed
+        call = _Call(-1, pe.id, pe.name, False)
         self.calls.append(call)
         self.round.append(call)
-        return []
+        if pe.name not in plan.offered_tools:
+            return []  # a tool that was not offered: held, it becomes content at its end
+        call.index, call.emitted = self.n_client, True  # passed on now; its arguments member by member
+        self.n_client += 1
+        return [CallStart(call.index, call.id, call.name, False)]
 
     def _feed_tool(self, call: _Call, pe: Any) -> None:
         if call.events is None or call.error:
@@ -339,6 +425,18 @@ class _Turn:
             call.events.put_nowait(("field", pe.key, pe.value))
         else:
             call.events.put_nowait(("line", pe.line))
+
+    def _release(self, call: _Call) -> List[Any]:
+        """A top-level member of a passed-on call is complete: its buffered fragments go out if the
+        client then holds a JSON object once ``}`` is appended (else they wait for the next member,
+        or the end)."""
+        if not call.held:
+            return []
+        text = call.released + call.held
+        if not isinstance(_json_or_none(text + "}"), dict):
+            return []
+        fragment, call.released, call.held = call.held, text, ""
+        return [CallArgs(call.index, fragment)]
 
     def _end(self, call: _Call, arguments: Any) -> List[Any]:
         call.ended = True
@@ -361,15 +459,26 @@ class _Turn:
                 self.deferred.append(call)
             return []
         problem = malformed(call.name, arguments, plan.offered_tools)
+        if not call.emitted:  # held: a tool that was not offered, or no call is parsed (tool_choice none)
+            call.error = problem or "tool calls are not parsed in this request"
+            return [Content(_call_text(self.fmt, call.name, arguments))]
         if problem:
             call.error = problem
-            return [Content(_call_text(self.fmt, call.name, arguments))]
-        call.index, call.emitted = self.n_client, True
-        self.n_client += 1
+            return self._withdraw(call)
+        fragment = call.held
+        if _json_or_none(call.released + fragment) != arguments:
+            # what the parser streamed is not the arguments the client gets (a plan step's): nothing
+            # was released before the end (no FieldComplete), so the end gives them whole
+            if call.released:
+                log.warning("tool call %r: the streamed arguments differ from the parsed ones; withdrawn",
+                            call.name)
+                call.error = "the streamed arguments differ from the parsed ones"
+                return self._withdraw(call)
+            fragment = json.dumps(arguments, ensure_ascii=False)
+        call.released, call.held = call.released + fragment, ""
         if not plan.parallel_tool_calls:
             self.stop_now = True  # one client call asked for: stop decoding here
-        return [CallStart(call.index, call.id, call.name, False),
-                CallArgs(call.index, json.dumps(arguments, ensure_ascii=False))]
+        return [CallArgs(call.index, fragment)]
 
     def _failed(self, call: _Call, message: str, raw: str) -> List[Any]:
         call.ended = True
@@ -378,7 +487,17 @@ class _Turn:
             if call.events is not None:
                 call.events.put_nowait(("abandon",))
             return []
+        if call.emitted:
+            return self._withdraw(call)
         return [Content(raw)] if raw and not self.forced else []
+
+    def _withdraw(self, call: _Call) -> List[Any]:
+        """Take back a passed-on call: close what was sent so it is a valid JSON object, and stop."""
+        call.ended = call.withdrawn = True
+        self.withdrawn.append(call.index)
+        closing = "}" if call.released else "{}"
+        call.released, call.held = call.released + closing, ""
+        return [CallArgs(call.index, closing)]
 
     # -- round bookkeeping ---------------------------------------------------
     def start_deferred(self) -> None:
@@ -393,7 +512,8 @@ class _Turn:
         return any(not c.ended and not c.error for c in self.round)
 
     def client_calls(self) -> List[_Call]:
-        return [c for c in self.round if c.emitted]
+        """The client calls of this round passed on whole (closed, not withdrawn)."""
+        return [c for c in self.round if c.emitted and c.ended and not c.withdrawn]
 
     def server_calls(self) -> List[_Call]:
         return [c for c in self.round if c.server and not c.ignored]
@@ -401,6 +521,14 @@ class _Turn:
     def new_round(self) -> None:
         self.round = []
         self.forced = False  # tool_choice forces the first round only (plan.py)
+
+
+def _json_or_none(text: str) -> Any:
+    """``text`` as strict JSON (finite numbers only), or None when it is not JSON."""
+    try:
+        return strict_loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Optional[ToolRuntime] = None,
@@ -418,7 +546,7 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
     rounds = 0
     aborting = False  # we paused the context to abort a call early
     finish_reason = "stop"
-    parser = model.new_parser() if plan.parse_tools else None
+    parser = _new_parser(model, plan, plan.prompt_ids)
     owner = plan.request_info.get("key")
     app = f"{model.name}:{owner or ''}"  # LAMPS' output-length predictor learns per model and caller
     store = model.retention
@@ -465,14 +593,21 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                     if ev.logprob is not None:
                         yield TokenLogprob(ev.token_id, ev.text, ev.logprob)
                 events = parser.feed(ev.text) if parser is not None else ([Text(ev.text)] if ev.text else [])
-                if ev.finish_reason is not None and parser is not None:
-                    events += parser.finish()
-                for pe in events:
-                    for out in turn.handle(pe):
-                        if isinstance(out, CallStart) and out.server:
-                            _hint_call(engine, ctx, model, app, owner, segment_start, segment, out.name,
-                                       plan.server_tools.get(out.name))
-                        yield out
+                outs = [out for pe in events for out in turn.handle(pe)]
+                cut_at_end = False  # a passed-on call was withdrawn because the output ended inside it
+                if ev.finish_reason is not None and not turn.cut:
+                    ending = parser.finish() if parser is not None else []
+                    outs += [out for pe in ending for out in turn.handle(pe)]
+                    outs += turn.end_of_output()
+                    cut_at_end = turn.cut
+                for out in outs:
+                    if isinstance(out, CallStart) and out.server:
+                        _hint_call(engine, ctx, model, app, owner, segment_start, segment, out.name,
+                                   plan.server_tools.get(out.name))
+                    yield out
+                if turn.cut:  # a call was withdrawn: stop here ("length" when a limit cut it)
+                    finish_reason = "length" if cut_at_end and ev.finish_reason == "length" else "stop"
+                    break
                 if turn.stop_now and ev.finish_reason is None:
                     finish_reason = "tool_calls"
                     break
@@ -493,7 +628,7 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                     spurious = not (aborting or turn.abort_round) and (turn.pending()
                                                                       or getattr(parser, "in_call", False))
                     turn.abort_round = aborting = False
-                    if turn.client_calls():
+                    if turn.client_calls() and not spurious:  # (a marker inside a later call: it goes on)
                         finish_reason = "tool_calls"
                         break
                     server = turn.server_calls()
@@ -513,7 +648,7 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                     texts = [fmt.named_result(call.arguments, _result_text(res)) for call, res in zip(server, results)]
                     room = (model.max_model_len - (prompt_tokens + completion_tokens) - 1
                             - min(ANSWER_RESERVE_TOKENS, max(0, sampling.max_tokens - completion_tokens)))
-                    appended, cuts = fit_results(model.tokenizer, fmt, texts, room)
+                    appended, cuts = fit_results(model.tokenizer, fmt, texts, room, [c.name for c in server])
                     for res, cut in zip(results, cuts):
                         res.truncated = cut
                         yield res
@@ -529,7 +664,7 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                     segment += 1
                     segment_start, segment_tokens = prompt_tokens + completion_tokens, 0
                     turn.new_round()
-                    parser = model.new_parser()
+                    parser = _new_parser(model, plan, appended)
                     for proc in sampling.logits_processors:  # e.g. forced replay moves to its next piece
                         if hasattr(proc, "on_resume"):
                             proc.on_resume()
@@ -545,9 +680,9 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                     if server and not turn.client_calls():
                         for call in server:  # calls that ended with the stream (no pause marker)
                             yield await _result(call, metrics)
-        if finish_reason in ("stop", "tool_calls"):  # a segment that ended by itself, not cut by a limit
+        if finish_reason in ("stop", "tool_calls") and not turn.cut:  # ended by itself, not cut short
             predictor.observe_segment(app, segment_start, segment_tokens)
-        if finish_reason == "stop":
+        if finish_reason == "stop" and not turn.cut:
             # the job's segment count (client tool calls: unknown here -- the follow-up is another request)
             predictor.observe_finish(app, segment + 1)
         client_calls = turn.client_calls() if finish_reason == "tool_calls" else []
@@ -564,7 +699,9 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
         yield Finish(finish_reason, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                      "total_tokens": prompt_tokens + completion_tokens,
                                      "prompt_tokens_details": {"cached_tokens": cached}},
-                     stop_sequence=stop_string(model, sampling.stop, tail) if finish_reason == "stop" else None)
+                     stop_sequence=(stop_string(model, sampling.stop, tail)
+                                    if finish_reason == "stop" and not turn.cut else None),
+                     withdrawn=list(turn.withdrawn))
     finally:
         # Runs on success, error and client disconnect alike.  Nothing here
         # awaits: a cancelled request's cleanup must not be cancelled too.
@@ -578,6 +715,21 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
             engine.free_context_nowait(ctx)
         if metrics is not None:  # saved however the request ended (the retention's own: store.adopted)
             metrics.prefill_saved(model.name, engine_cached)
+
+
+def _new_parser(model: ModelServer, plan: CompletionPlan, prompt_tail: Sequence[int]) -> Any:
+    """The parser of one output segment (None: the output is all content).  Tool calls are parsed
+    when the plan asks; a reasoning model's output is parsed for its reasoning in any case (then
+    ``calls=False`` when no call is to be parsed).  ``prompt_tail``: the tokens before the segment
+    (the prompt, or the appended tool results), whose end tells a reasoning parser whether the
+    generation prompt opened the reasoning."""
+    reasons = plan.parse_reasoning and bool(getattr(model, "reasons", False))
+    if not (plan.parse_tools or reasons):
+        return None
+    if not reasons:
+        return model.new_parser(plan.offered_tools, calls=True)
+    tail = model.tokenizer.decode(list(prompt_tail[-8:]), skip_special_tokens=False)
+    return model.new_parser(plan.offered_tools, calls=plan.parse_tools, prompt_tail=tail)
 
 
 def stop_string(model: ModelServer, stops: Sequence[str], tail: Optional[Sequence[int]]) -> Optional[str]:
@@ -630,8 +782,8 @@ def _hint_call(engine: Engine, ctx: ContextId, model: ModelServer, app: str, own
     engine.set_request_hint(ctx, _segment_hint(app, owner, pred))
 
 
-def fit_results(tokenizer: Tokenizer, fmt: ToolFormat, texts: List[str],
-                room: int) -> Tuple[Optional[List[int]], List[Optional[Dict[str, Any]]]]:
+def fit_results(tokenizer: Tokenizer, fmt: ToolFormat, texts: List[str], room: int,
+                names: Optional[List[str]] = None) -> Tuple[Optional[List[int]], List[Optional[Dict[str, Any]]]]:
     """The tokens appending ``texts`` as tool results, within ``room`` tokens.
 
     Results that do not fit are cut to a common length with a visible marker
@@ -639,7 +791,7 @@ def fit_results(tokenizer: Tokenizer, fmt: ToolFormat, texts: List[str],
     Returns the tokens (None when not even empty results fit) and, per
     result, None or ``{"shown_chars", "total_chars"}``."""
     def render(limit: Optional[int]) -> List[int]:
-        return tool_results_turn(tokenizer, fmt, _cut(texts, limit))
+        return tool_results_turn(tokenizer, fmt, _cut(texts, limit), names)
 
     ids = render(None)
     if len(ids) <= room:

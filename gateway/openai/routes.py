@@ -36,7 +36,8 @@ from ..errors import APIError, engine_error
 from ..http_guard import until_disconnected
 from ..metrics import Metrics
 from . import wire as api
-from .completions import CallArgs, CallStart, CompletionPlan, Content, Finish, ServerToolResult, TokenLogprob, run_completion
+from .completions import (CallArgs, CallStart, CompletionPlan, Content, Finish, ReasoningText, ServerToolResult,
+                          TokenLogprob, run_completion)
 from .plan import build_plan
 from .streaming import ClosingStreamingResponse, chain, first_event, stream_error
 from .text_completions import build_routes as text_completion_routes
@@ -126,6 +127,7 @@ def model_object(m: ModelServer) -> Dict[str, Any]:
 async def collect(metrics: Metrics, model: ModelServer, plan: CompletionPlan, events: Any) -> Dict[str, Any]:
     """The whole completion as one ``chat.completion`` object."""
     content: List[str] = []
+    reasoning: List[str] = []
     calls: Dict[int, Dict[str, Any]] = {}
     results: List[Dict[str, Any]] = []
     logprobs: List[Dict[str, Any]] = []
@@ -134,11 +136,13 @@ async def collect(metrics: Metrics, model: ModelServer, plan: CompletionPlan, ev
     try:
         async with contextlib.aclosing(events):
             async for ev in events:
-                if first and isinstance(ev, (Content, CallStart)):
+                if first and isinstance(ev, FIRST_TOKEN):
                     metrics.ttft.labels(model.name).observe(time.perf_counter() - plan.arrived_at)
                     first = False
                 if isinstance(ev, Content):
                     content.append(ev.text)
+                elif isinstance(ev, ReasoningText):
+                    reasoning.append(ev.text)
                 elif isinstance(ev, TokenLogprob):
                     logprobs.append(_logprob_entry(ev))
                 elif isinstance(ev, CallStart) and not ev.server:
@@ -157,15 +161,36 @@ async def collect(metrics: Metrics, model: ModelServer, plan: CompletionPlan, ev
     metrics.request("/v1/chat/completions", model.name, 200)
     metrics.usage(model.name, finish.usage)
     message: Dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+    if reasoning:  # vLLM's and DeepSeek's field; absent when the model wrote none
+        message["reasoning_content"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     out = {"id": api.completion_id(), "object": "chat.completion", "created": api.now(), "model": model.name,
            "choices": [{"index": 0, "message": message, "finish_reason": finish.reason,
                         "logprobs": {"content": logprobs, "refusal": None} if plan.sampling.logprobs else None}],
            "usage": finish.usage}
-    if plan.server_tools:  # asked for: always there, so clients can read it whether or not a call ran
-        out["interlace"] = {"tool_calls": results}
+    ext = finish_extension(finish, results if plan.server_tools else None)
+    if ext:
+        out["interlace"] = ext
     return out
+
+
+#: the loop's events that are the completion's first token (its time to first token): reasoning too
+FIRST_TOKEN = (Content, ReasoningText, CallStart)
+
+
+def finish_extension(finish: Finish, results: Optional[List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """The ``interlace`` extension of a finished completion (the answer's, the finish chunk's):
+    ``tool_calls``, the server-side calls' records (``results``; None: server tools were not asked
+    for, else always there, so clients can read it whether or not a call ran), and
+    ``withdrawn_tool_calls``, the client calls passed on and then withdrawn (completions.py), only
+    when there are any."""
+    ext: Dict[str, Any] = {}
+    if results is not None:
+        ext["tool_calls"] = results
+    if finish.withdrawn:
+        ext["withdrawn_tool_calls"] = list(finish.withdrawn)
+    return ext
 
 
 def _logprob_entry(ev: TokenLogprob) -> Dict[str, Any]:
@@ -187,11 +212,17 @@ async def stream_chunks(metrics: Metrics, model: ModelServer, events: Any, first
     try:
         async with contextlib.aclosing(events):
             async for ev in chain(first_event, events):
-                if first and isinstance(ev, (Content, CallStart)):
+                if first and isinstance(ev, FIRST_TOKEN):
                     metrics.ttft.labels(name).observe(time.perf_counter() - arrived_at)
                     first = False
                 if isinstance(ev, TokenLogprob):
                     pending_logprobs.append(_logprob_entry(ev))
+                elif isinstance(ev, ReasoningText):
+                    c = api.chunk(cid, name, created, {"reasoning_content": ev.text})
+                    if pending_logprobs:
+                        c["choices"][0]["logprobs"] = {"content": pending_logprobs, "refusal": None}
+                        pending_logprobs = []
+                    yield api.sse(c)
                 elif isinstance(ev, Content):
                     c = api.chunk(cid, name, created, {"content": ev.text})
                     if pending_logprobs:
@@ -220,9 +251,10 @@ async def stream_chunks(metrics: Metrics, model: ModelServer, events: Any, first
                     metrics.request("/v1/chat/completions", name, 200)
                     metrics.usage(name, ev.usage)
                     # server tools asked for: the finish chunk carries every call's record, as the
-                    # non-streamed answer's `interlace` does (an empty list when none ran)
-                    yield api.sse(api.chunk(cid, name, created, {}, ev.reason,
-                                            **({"interlace": {"tool_calls": results}} if server_tools else {})))
+                    # non-streamed answer's `interlace` does (an empty list when none ran); and the
+                    # withdrawn calls, if any
+                    ext = finish_extension(ev, results if server_tools else None)
+                    yield api.sse(api.chunk(cid, name, created, {}, ev.reason, **({"interlace": ext} if ext else {})))
                     if include_usage:
                         yield api.sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                                        "model": name, "choices": [], "usage": ev.usage})

@@ -164,7 +164,7 @@ def build_text_plan(model: ModelServer, body: Dict[str, Any], *, default_max_tok
     spec["max_tokens"] = max_tokens or min(DEFAULT_MAX_TOKENS, default_max_tokens, room)
     sampling = sampling_params(spec, temperature=1.0, top_p=1.0, ignore_eos=bool(body.get("ignore_eos")),
                                logprobs=body.get("logprobs") is not None)
-    plan = CompletionPlan(prompt_ids=ids, sampling=sampling, parse_tools=False,
+    plan = CompletionPlan(prompt_ids=ids, sampling=sampling, parse_tools=False, parse_reasoning=False,
                           request_info={"model": model.name, "user": body.get("user"), "key": caller})
     echo = (text or model.tokenizer.decode(ids, skip_special_tokens=False)) if body.get("echo") else ""
     return plan, echo

@@ -71,6 +71,10 @@ CHAT_REQUEST_SCHEMA = {
                             },
                         },
                     },
+                    # an assistant turn's reasoning, as this server (vLLM, DeepSeek) answered it: kept on
+                    # the message for the prompt renderer; vLLM's newer name ``reasoning`` is the same
+                    "reasoning_content": {"type": ["string", "null"]},
+                    "reasoning": {"type": ["string", "null"]},
                     # what the official clients send back when an assistant message is reused as-is
                     "refusal": {"type": "null"},
                     "audio": {"type": "null"},
@@ -321,6 +325,9 @@ def validate_chat_request(body: Any) -> Dict[str, Any]:
             except APIError as e:
                 raise APIError(400, f"{where} is not valid JSON: {e.message}", param=where, code="invalid_value")
             ids.add(c.get("id"))
+        alias = m.pop("reasoning", None)  # one name for the renderer: reasoning_content
+        if m.get("reasoning_content") is None and alias is not None:
+            m["reasoning_content"] = alias
         if m["role"] == "tool" and "tool_call_id" not in m:
             raise APIError(400, f"messages[{i}]: a tool message needs tool_call_id",
                            param=f"messages[{i}].tool_call_id", code="missing_required_parameter")

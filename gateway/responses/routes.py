@@ -59,8 +59,8 @@ from ..errors import APIError, Conflict, GatewayError, LimitReached, NotFound, e
 from ..http_guard import until_disconnected
 from ..key_limits import key_name
 from ..openai import wire as chat_wire
-from ..openai.completions import CallStart, Content, run_completion
-from ..openai.routes import prepare_plan
+from ..openai.completions import run_completion
+from ..openai.routes import FIRST_TOKEN, prepare_plan
 from ..openai.streaming import ClosingStreamingResponse, chain, first_event, stream_error
 from . import wire
 from .store import StoreError, StoredResponse
@@ -137,7 +137,7 @@ async def _consume(events: Any, builder: wire.OutputBuilder, metrics: Any, run: 
     try:
         async with contextlib.aclosing(events):
             async for ev in events:
-                if first and isinstance(ev, (Content, CallStart)):
+                if first and isinstance(ev, FIRST_TOKEN):
                     metrics.ttft.labels(run.model.name).observe(time.perf_counter() - run.plan.arrived_at)
                     first = False
                 builder.feed(ev)
@@ -254,7 +254,7 @@ def build_routes(gw: Any, config: Any) -> List[Route]:
         try:
             async with contextlib.aclosing(events):
                 async for ev in chain(first, events):
-                    if first_token and isinstance(ev, (Content, CallStart)):
+                    if first_token and isinstance(ev, FIRST_TOKEN):
                         gw.metrics.ttft.labels(name).observe(time.perf_counter() - run.plan.arrived_at)
                         first_token = False
                     for out in builder.feed(ev):

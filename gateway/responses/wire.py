@@ -23,6 +23,22 @@ Decisions:
 * **Errors name this API's fields.**  The planner names chat fields
   (``messages``, ``max_tokens``, ``response_format``); :func:`rename_error`
   maps them back (``input``, ``max_output_tokens``, ``text.format``).
+* **Reasoning** (a model with a reasoning parser) is a ``reasoning`` output item
+  with one ``reasoning_text`` part (``summary`` empty: nothing summarizes it),
+  before the message or calls of its turn; streamed as OpenAI streams one
+  (``response.output_item.added``, ``response.content_part.added``,
+  ``response.reasoning_text.delta`` ... ``.done``, ``response.content_part.done``,
+  ``response.output_item.done``).  A ``reasoning`` input item (sent back by a
+  client that manages its own context) is accepted: its ``content`` text becomes
+  the ``reasoning_content`` of the assistant turn that follows it (the prompt
+  renderer decides whether the model sees it again); its ``summary`` and
+  ``encrypted_content`` are not used.  A stored response keeps it the same way.
+* **A withdrawn call** (completions.py: a client call that failed after it was
+  passed on) is a ``function_call`` item done with ``status: "incomplete"``,
+  its arguments closed to a valid JSON object.  The response is ``incomplete``
+  (``max_output_tokens``) when the output limit cut it, else ``completed``: the
+  model did finish, with a broken call, and ``incomplete_details`` has no reason
+  for that; the item's status is what tells a client not to run it.
 * Remote MCP servers (``server_url``) are refused: ``{"type": "mcp",
   "server_label": NAME}`` names a configured ``mcp_servers`` entry, and
   ``server_label: "interlace"`` the gateway's own plugin tools.  They run in
@@ -41,7 +57,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 from ..config import RESERVED_MCP_LABEL
 from ..errors import APIError, GatewayError, api_error
 from ..openai import wire as chat_wire
-from ..openai.completions import CallArgs, CallStart, Content, Finish, ServerToolResult
+from ..openai.completions import CallArgs, CallStart, Content, Finish, ReasoningText, ServerToolResult
 from ..sampling import PROPERTIES as SAMPLING_PROPERTIES, RequestValidator
 
 #: ``server_label`` of the gateway's own plugin tools (no configured MCP server may take it).
@@ -75,6 +91,16 @@ _ITEM_SCHEMAS: Dict[str, Any] = {
                                             "status": {"enum": ["in_progress", "completed", "incomplete", None]},
                                             "call_id": {"type": "string", "minLength": 1},
                                             "output": {"oneOf": [_TEXT, {"type": "array", "items": _INPUT_TEXT}]}}},
+    # a reasoning item of an earlier response: its text is the next assistant turn's reasoning
+    "reasoning": {"type": "object", "required": ["type"], "additionalProperties": False,
+                  "properties": {"type": {"const": "reasoning"}, "id": _TEXT, "status": _STATUS,
+                                 "summary": {"type": "array", "items": {
+                                     "type": "object", "required": ["type", "text"], "additionalProperties": False,
+                                     "properties": {"type": {"const": "summary_text"}, "text": _TEXT}}},
+                                 "content": {"type": ["array", "null"], "items": {
+                                     "type": "object", "required": ["type", "text"], "additionalProperties": False,
+                                     "properties": {"type": {"const": "reasoning_text"}, "text": _TEXT}}},
+                                 "encrypted_content": {"type": ["string", "null"]}}},
     "mcp_call": {"type": "object", "required": ["type", "id", "server_label", "name", "arguments"],
                  "additionalProperties": False,
                  "properties": {"type": {"const": "mcp_call"}, "id": _TEXT, "server_label": _TEXT,
@@ -157,7 +183,8 @@ def _all_null(v: Any) -> bool:
 
 #: Responses parameters Interlace does not implement: accepted only at their neutral value, else refused.
 UNSUPPORTED: Dict[str, Tuple[Callable[[Any], bool], str]] = {
-    "reasoning": (_all_null, "reasoning is not supported (the served models do not reason in a separate channel)"),
+    "reasoning": (_all_null, "reasoning settings are not supported (a model configured with a reasoning parser "
+                             "answers its reasoning as a reasoning item whatever they say)"),
     "top_logprobs": (chat_wire.number_is(0), "top_logprobs is not supported (only 0)"),
     "max_tool_calls": (lambda v: v is None, "max_tool_calls is not supported (interlace.max_tool_rounds bounds "
                                             "server-side tool rounds)"),
@@ -286,7 +313,7 @@ def _normalized(item: Dict[str, Any]) -> Dict[str, Any]:
         out["content"] = ([{"type": part, "text": content, **({"annotations": []} if part == "output_text" else {})}]
                           if isinstance(content, str) else content)
     out.setdefault("id", new_id({"message": "msg", "function_call": "fc", "function_call_output": "fco",
-                                 "mcp_call": "mcp"}[kind]))
+                                 "mcp_call": "mcp", "reasoning": "rs"}[kind]))
     if out["id"] is None:
         out["id"] = new_id("fco")
     if kind != "mcp_call" and out.get("status") is None:
@@ -351,11 +378,19 @@ def translate(req: Dict[str, Any], history: List[Dict[str, Any]], *, available: 
     messages: List[Dict[str, Any]] = []
     sources: List[str] = []
     known = call_ids(history) | {it["call_id"] for it in items if it.get("type") == "function_call"}
+    reasoning: Optional[str] = None  # a reasoning item's text, for the assistant turn that follows it
     for i, it in enumerate(items):
         kind, where = it.get("type", "message"), f"input[{i}]"
         last = messages[-1] if messages else None
+        if kind == "reasoning":
+            text = "".join(part["text"] for part in it.get("content") or [])
+            reasoning = text if reasoning is None else reasoning + text
+            continue
+        thought, reasoning = reasoning, None  # only the next assistant turn takes it (else it is dropped)
         if kind == "message":
             messages.append({"role": it["role"], "content": _text_of(it["content"])})
+            if thought is not None and it["role"] == "assistant":
+                messages[-1]["reasoning_content"] = thought
         elif kind in ("function_call", "mcp_call"):
             if kind == "function_call":
                 call = {"id": it["call_id"], "type": "function",
@@ -363,10 +398,14 @@ def translate(req: Dict[str, Any], history: List[Dict[str, Any]], *, available: 
             else:
                 name = it["name"] if it["server_label"] == INTERLACE_LABEL else f"{it['server_label']}.{it['name']}"
                 call = {"id": it["id"], "type": "function", "function": {"name": name, "arguments": it["arguments"]}}
-            if last is not None and last["role"] == "assistant" and sources[-1].startswith("input"):
+            if last is not None and last["role"] == "assistant" and sources[-1].startswith("input") \
+                    and not (thought is not None and last.get("reasoning_content") is not None):
                 last.setdefault("tool_calls", []).append(call)
+                if thought is not None:
+                    last["reasoning_content"] = thought
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call],
+                                 **({"reasoning_content": thought} if thought is not None else {})})
                 sources.append(where)
             if kind == "mcp_call":
                 error = it.get("error")
@@ -517,16 +556,23 @@ class OutputBuilder:
     messages, with the stream events each step makes (:meth:`feed` returns them, without
     ``sequence_number``: the route numbers what it sends).
 
-    A client call comes whole from the loop (its start, then its arguments once): its item is added, gets
-    one arguments delta, and is done when the next event (or the finish) comes.  A server-side call is an
-    ``mcp_call`` item from its start to its result (several may run in one round)."""
+    Reasoning is a ``reasoning`` item (its text one ``reasoning_text`` part, streamed with
+    ``response.reasoning_text.delta``) before the message or calls it led to; in the conversation it
+    is that assistant turn's ``reasoning_content``.  A client call's item is added when the loop
+    passes the call on, gets its arguments as the loop releases them (member by member), and is done
+    when the next event (or the finish) comes: ``status: "incomplete"`` when the loop withdrew it
+    (``Finish.withdrawn``: it failed after it was passed on; its arguments are still a valid JSON
+    object, and a client must not run it).  A server-side call is an ``mcp_call`` item from its start
+    to its result (several may run in one round)."""
 
     def __init__(self, mcp_servers: Iterable[str]):
         self.servers = list(mcp_servers)
         self.output: List[Dict[str, Any]] = []
         self.messages: List[Dict[str, Any]] = []     # the output as chat messages (for the store)
         self.text: Optional[Dict[str, Any]] = None  # the open message item
+        self.thought: Optional[Dict[str, Any]] = None  # the open reasoning item
         self.call: Optional[Dict[str, Any]] = None  # the open client call item
+        self.call_index = -1                         # its index in the loop's numbering
         self.server: Dict[int, Dict[str, Any]] = {}  # server call index -> its open mcp_call item
         self.chat_calls: Dict[str, Dict[str, Any]] = {}  # item id -> its call in ``messages``
         self.finish: Optional[Finish] = None
@@ -534,8 +580,17 @@ class OutputBuilder:
     def _index(self, item: Dict[str, Any]) -> int:
         return self.output.index(item)
 
-    def _close(self, status: str = "completed") -> List[Dict[str, Any]]:
+    def _close(self, status: str = "completed", withdrawn: Iterable[int] = ()) -> List[Dict[str, Any]]:
         out: List[Dict[str, Any]] = []
+        if self.thought is not None:
+            item, self.thought = self.thought, None
+            i, part = self._index(item), item["content"][0]
+            item["status"] = status
+            out += [{"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": i,
+                     "content_index": 0, "text": part["text"]},
+                    {"type": "response.content_part.done", "item_id": item["id"], "output_index": i,
+                     "content_index": 0, "part": dict(part)},
+                    {"type": "response.output_item.done", "output_index": i, "item": copy_json(item)}]
         if self.text is not None:
             item, self.text = self.text, None
             i, part = self._index(item), item["content"][0]
@@ -548,7 +603,7 @@ class OutputBuilder:
         if self.call is not None:
             item, self.call = self.call, None
             i = self._index(item)
-            item["status"] = "completed"
+            item["status"] = "incomplete" if self.call_index in set(withdrawn) else "completed"
             out += [{"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": i,
                      "name": item["name"], "arguments": item["arguments"]},
                     {"type": "response.output_item.done", "output_index": i, "item": copy_json(item)}]
@@ -560,9 +615,37 @@ class OutputBuilder:
             self.messages.append({"role": "assistant", "content": None})
         return self.messages[-1]
 
+    def _reply(self) -> Dict[str, Any]:
+        """The assistant message text starts: the last one when it holds only its reasoning so far."""
+        last = self.messages[-1] if self.messages else None
+        if last is None or last["role"] != "assistant" or last.get("reasoning_content") is None \
+                or last.get("content") is not None or last.get("tool_calls"):
+            last = {"role": "assistant", "content": None}
+            self.messages.append(last)
+        last["content"] = ""
+        return last
+
     def feed(self, ev: Any) -> List[Dict[str, Any]]:
+        if isinstance(ev, ReasoningText):
+            out = self._close() if self.text is not None or self.call is not None else []
+            if self.thought is None:
+                part = {"type": "reasoning_text", "text": ""}
+                self.thought = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [part],
+                                "status": "in_progress"}
+                self.output.append(self.thought)
+                i = self._index(self.thought)
+                out += [{"type": "response.output_item.added", "output_index": i,
+                         "item": dict(self.thought, content=[])},
+                        {"type": "response.content_part.added", "item_id": self.thought["id"], "output_index": i,
+                         "content_index": 0, "part": dict(part)}]
+                self.messages.append({"role": "assistant", "content": None, "reasoning_content": ""})
+            self.thought["content"][0]["text"] += ev.text
+            self.messages[-1]["reasoning_content"] += ev.text
+            out.append({"type": "response.reasoning_text.delta", "item_id": self.thought["id"],
+                        "output_index": self._index(self.thought), "content_index": 0, "delta": ev.text})
+            return out
         if isinstance(ev, Content):
-            out = self._close() if self.call is not None else []
+            out = self._close() if self.call is not None or self.thought is not None else []
             if self.text is None:
                 part = {"type": "output_text", "text": "", "annotations": []}
                 self.text = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
@@ -573,7 +656,7 @@ class OutputBuilder:
                          "item": dict(self.text, content=[])},
                         {"type": "response.content_part.added", "item_id": self.text["id"], "output_index": i,
                          "content_index": 0, "part": dict(part)}]
-                self.messages.append({"role": "assistant", "content": ""})
+                self._reply()
             self.text["content"][0]["text"] += ev.text
             self.messages[-1]["content"] = (self.messages[-1]["content"] or "") + ev.text
             out.append({"type": "response.output_text.delta", "item_id": self.text["id"],
@@ -595,6 +678,7 @@ class OutputBuilder:
                               {"type": "response.mcp_call.in_progress", "item_id": item["id"], "output_index": i}]
             self.call = {"id": new_id("fc"), "type": "function_call", "call_id": ev.id, "name": ev.name,
                          "arguments": "", "status": "in_progress"}
+            self.call_index = ev.index
             self.chat_calls[self.call["id"]] = call
             self.output.append(self.call)
             return out + [{"type": "response.output_item.added", "output_index": self._index(self.call),
@@ -635,7 +719,7 @@ class OutputBuilder:
                           {"type": "response.output_item.done", "output_index": i, "item": copy_json(item)}]
         if isinstance(ev, Finish):
             self.finish = ev
-            out = self._close("incomplete" if ev.reason == "length" else "completed")
+            out = self._close("incomplete" if ev.reason == "length" else "completed", ev.withdrawn)
             for item in self.server.values():  # announced, never run (the loop ended first)
                 item["status"] = "incomplete"
             self.server = {}
