@@ -29,6 +29,14 @@ from interlace.parsers import (
     StreamingParser,
     counting_ids,
 )
+from interlace.parsers.reasoning import REASONING_PARSERS
+from interlace.parsers.builtin import BUILTIN_PARSERS
+
+
+def _rendered(fmt: str, prefix: str = "") -> tuple[Callable[[], StreamingParser], str]:
+    """A format's parser and two calls as that format writes them (its own ``render_calls``)."""
+    cls = BUILTIN_PARSERS[fmt]
+    return cls, prefix + cls.format.render_calls([("web_search", _ARGS), ("send_email", _ARGS)])
 
 CHARS_PER_TOKEN = 4
 
@@ -82,6 +90,19 @@ OUTPUTS: dict[str, tuple[Callable[[], StreamingParser], str]] = {
         % (_ARGS["query"], _ARGS["filters"], _ARGS["body"]),
     ),
     "markdown (python)": (MarkdownCodeParser, "I'll compute it.\n```python\n" + CODE + "```\nDone."),
+    "qwen3_coder": _rendered("qwen3_coder", "Let me search.\n"),
+    "glm45": _rendered("glm45", "Let me search.\n"),
+    "deepseek_v31": _rendered("deepseek_v31", "Let me search."),
+    "kimi_k2": _rendered("kimi_k2", "Let me search."),
+    "harmony (analysis + call)": (
+        BUILTIN_PARSERS["harmony"],
+        "<|channel|>analysis<|message|>" + PROSE + "<|end|><|start|>assistant"
+        + BUILTIN_PARSERS["harmony"].format.render_calls([("web_search", _ARGS)]),
+    ),
+    "qwen3 reasoning + hermes": (
+        lambda: REASONING_PARSERS["qwen3"](inner=HermesParser(id_factory=counting_ids()), call_markers=("<tool_call>",)),
+        "<think>\n" + PROSE + "\n</think>\n\n<tool_call>\n" + _json_call("web_search") + "\n</tool_call>",
+    ),
     "plan": (
         PlanParser,
         "Thought: gather both figures, then compare.\n"
@@ -123,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     worst = 0.0
     rows = []
     for label, (cls, text) in OUTPUTS.items():
-        us, ntok = measure(lambda cls=cls: cls(id_factory=counting_ids()), text, args.reps)  # type: ignore[misc]
+        make = (lambda cls=cls: cls(id_factory=counting_ids())) if isinstance(cls, type) else cls  # a class, or a composition
+        us, ntok = measure(make, text, args.reps)  # type: ignore[misc]
         worst = max(worst, us)
         rows.append({"format": label, "tokens": ntok, "us_per_token": us})
         print(f"{label:<22}{ntok:>8}{us:>11.2f}{us * ntok / 1e3:>11.3f}")
