@@ -24,6 +24,7 @@ import jsonschema
 import openai
 import pytest
 
+from helpers.chat import assemble, calls_of, post
 from helpers.gateway_server import LiveGateway
 
 MAX_MODEL_LEN = 2048
@@ -105,25 +106,7 @@ def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
 
-def post(live, body: Dict[str, Any]) -> httpx.Response:
-    return httpx.post(live.url + "/v1/chat/completions", json=body, timeout=600)
 
-
-def calls_of(message) -> List[Call]:
-    return [(tc.function.name, json.loads(tc.function.arguments)) for tc in message.tool_calls or []]
-
-
-def assemble(chunks) -> List[Dict[str, Any]]:
-    """Client-side tool calls from streamed deltas, the way OpenAI clients join them."""
-    calls: Dict[int, Dict[str, Any]] = {}
-    for c in chunks:
-        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
-            d = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
-            d["id"] = tc.id or d["id"]
-            if tc.function is not None:
-                d["name"] = tc.function.name or d["name"]
-                d["arguments"] += tc.function.arguments or ""
-    return [calls[i] for i in sorted(calls)]
 
 
 # ======================================================== every format, end to end
