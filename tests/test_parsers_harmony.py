@@ -32,6 +32,8 @@ from interlace.parsers.events import Event, Reasoning
 from interlace.parsers.formats import CannotForce
 from interlace.parsers.harmony import HARMONY
 
+from test_parsers import normalise  # one merge rule for every parser's split-invariance
+
 FMT = HARMONY
 
 
@@ -44,23 +46,6 @@ def run(text: str, cuts: Sequence[int] = (), tools: dict | None = None) -> list[
         events += p.feed(text[prev:c])
         prev = c
     return events + p.finish()
-
-
-def normalise(events: Sequence[Event]) -> list[Event]:
-    """Adjacent Text, adjacent Reasoning and adjacent same-index ArgumentsDelta merged: what must not
-    depend on the split."""
-    out: list[Event] = []
-    for e in events:
-        last = out[-1] if out else None
-        if isinstance(e, Text) and isinstance(last, Text):
-            out[-1] = Text(last.text + e.text)
-        elif isinstance(e, Reasoning) and isinstance(last, Reasoning):
-            out[-1] = Reasoning(last.text + e.text)
-        elif isinstance(e, ArgumentsDelta) and isinstance(last, ArgumentsDelta) and last.index == e.index:
-            out[-1] = ArgumentsDelta(e.index, last.fragment + e.fragment)
-        else:
-            out.append(e)
-    return out
 
 
 def reasoning_of(events: Sequence[Event]) -> str:
