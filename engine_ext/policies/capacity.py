@@ -1,0 +1,100 @@
+"""Parrot's capacity regulation (section 5.4): an engine's token capacity set by its work's objective.
+
+Decode time per token grows with the tokens the batch attends to (Parrot's
+Figure 10: vLLM's time per output token turns up past ~6k running tokens on
+an A100).  So an engine that runs a *latency-critical* request keeps the
+aggregate tokens of the requests it runs under a small cap (Parrot's
+example: 2,000 tokens, where throughput work alone may fill 64,000), while
+an engine running only throughput work (task groups, plain traffic) fills up
+to its memory.  Parrot: "if a latency-sensitive request is scheduled to an
+LLM engine that can run up to 64,000 tokens of throughput-driven requests,
+its capacity will be significantly reduced to 2,000 ... if it is scheduled
+to an engine that has already been running a latency-sensitive request, the
+capacity reduction is negligible."
+
+The rule, one step at a time, over the requests with work in the ranking's
+order (:class:`~.objectives.ObjectiveRanking` puts latency-critical ones
+first):
+
+* the *limit* is ``latency_tokens`` while any request with work is
+  latency-critical, else ``throughput_tokens`` (None: no cap but memory);
+* latency-critical and starving requests always run (the cap bounds what
+  runs *beside* them; a starving request is the ranking's guarantee of
+  progress, which a cap must not undo);
+* every other request runs if the tokens of those running so far plus its
+  own context stay within the limit (first fit, in rank order), else it is
+  *held*: not scheduled this step, its KV kept where it is (a held request
+  is not preempted, it waits for capacity).
+
+A request's tokens are its context length (``SchedInfo.context_len``): what
+its decode attends to, Parrot's "aggregate token count from all active
+requests".  Free of torch: the native scheduler, vLLM's
+``InterlaceScheduler`` and the simulator apply this one rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+from .objectives import LATENCY
+from .ranking import Rankable, T
+
+#: Parrot's example of a latency engine's capacity (tokens)
+DEFAULT_LATENCY_TOKENS = 2048
+
+
+def is_latency(item: Rankable) -> bool:
+    return item.sched.objective == LATENCY
+
+
+@dataclass(frozen=True)
+class CapacityPolicy:
+    """Token capacity by objective (module doc).  ``latency_tokens`` None
+    turns regulation off (every request runs as memory allows)."""
+
+    latency_tokens: Optional[int] = DEFAULT_LATENCY_TOKENS
+    throughput_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("latency_tokens", "throughput_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"capacity.{name} must be a positive integer or null, got {v!r}")
+        if self.latency_tokens is not None and self.throughput_tokens is not None \
+                and self.latency_tokens > self.throughput_tokens:
+            raise ValueError(f"capacity.latency_tokens ({self.latency_tokens}) must not exceed "
+                             f"capacity.throughput_tokens ({self.throughput_tokens})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.latency_tokens is not None or self.throughput_tokens is not None
+
+    def limit(self, items: Iterable[Rankable]) -> Optional[int]:
+        """The engine's capacity now: the latency cap while any of ``items``
+        (the requests with work) is latency-critical, else the throughput cap."""
+        if self.latency_tokens is not None and any(is_latency(it) for it in items):
+            return self.latency_tokens
+        return self.throughput_tokens
+
+    def split(self, ordered: Sequence[T], limit: Optional[int] = None) -> Tuple[List[T], List[T]]:
+        """``(run, held)`` of ``ordered`` (the ranking's order) under the
+        limit (``limit(ordered)`` unless given): module doc's rule."""
+        lim = self.limit(ordered) if limit is None else limit
+        if lim is None:
+            return list(ordered), []
+        run: List[T] = []
+        held: List[T] = []
+        total = 0
+        for it in ordered:
+            n = max(0, int(it.sched.context_len))
+            if is_latency(it) or it.sched.starving or total + n <= lim:
+                run.append(it)
+                total += n
+            else:
+                held.append(it)
+        return run, held
+
+
+#: regulation off: the engines' behaviour before capacity existed
+NO_CAPACITY = CapacityPolicy(latency_tokens=None, throughput_tokens=None)
