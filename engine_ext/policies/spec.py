@@ -11,6 +11,9 @@ from its fields.  Names are resolved by :func:`make_interception` and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from .capacity import DEFAULT_LATENCY_TOKENS, CapacityPolicy
 
 
 @dataclass(frozen=True)
@@ -26,3 +29,11 @@ class PolicySpec:
     profile: str = "auto"          # "auto", a built-in profile name or a profile file
     swap_space_tokens: int = 16384
     prefix_caching: bool = True
+    # Parrot's capacity regulation (capacity.py): the engine's running tokens while latency-critical work
+    # runs, and otherwise (None: no cap but memory).  latency_capacity_tokens None: regulation off.
+    latency_capacity_tokens: Optional[int] = DEFAULT_LATENCY_TOKENS
+    throughput_capacity_tokens: Optional[int] = None
+
+    def capacity(self) -> CapacityPolicy:
+        return CapacityPolicy(latency_tokens=self.latency_capacity_tokens,
+                              throughput_tokens=self.throughput_capacity_tokens)
