@@ -55,7 +55,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-PHASES = ["preflight", "ceilings", "kernel_tests", "correctness", "bench8b", "anatomy"]
+PHASES = ["preflight", "ceilings", "kernel_tests", "correctness", "bench8b", "anatomy", "profile"]
 
 #: the test files the kernel_tests phase runs (a missing one is reported, not fatal)
 KERNEL_TESTS = ["tests/test_triton_kernels.py", "tests/test_cuda_graphs.py", "tests/test_swap.py",
@@ -612,6 +612,39 @@ def _direct(fn: Callable[[Any], None]) -> Any:
 
 
 # --------------------------------------------------------------------------------------------- summary
+def profile(ph: Phase, dry_run: bool) -> None:
+    """The cost model (``Profile``) of the 8B shape measured on this device: ``interlace profile``'s
+    measurement (:func:`measure_profile`) on the native engine with random bfloat16 weights (no
+    weights can be downloaded there; timing does not depend on their values).  It is what the
+    simulator runs at GPU speed (``interlace sim apps --profile FILE``), in place of the derived H100
+    roofline: the profile is the ``profile`` key of ``profile.json``."""
+    import torch
+
+    from interlace.bench.engine_cuda import SHAPES, native_model
+    from interlace.engine_ext.native.engine import NativeEngine
+    from interlace.engine_ext.native.profiler import measure_profile
+
+    dev = _device(dry_run)
+    name = "tiny" if dry_run else "llama-3-8b"
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    # 262,144 tokens of KV (32 GiB at 128 KiB a token), a 32k-token pinned host pool for the swap timing,
+    # 2,048-token iterations (the measurement's largest point)
+    kv, host, mbt = (512, 256, 64) if dry_run else (262144, 32768, 2048)
+    model = native_model(SHAPES[name], dtype, dev)
+    eng = NativeEngine(model, kv_cache_tokens=kv, max_seqs=256, host_pool_tokens=host, prefix_caching=False,
+                       max_batched_tokens=mbt, attention="triton", name=name)
+    try:
+        prof = measure_profile(eng, quick=dry_run)
+    finally:
+        eng.close()
+    ph.record(shape=name, profile=prof.to_dict())  # in the phase's file: at most 8 files come back
+    pts = ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in zip(prof.fwd_tokens, prof.fwd_seconds))
+    ph.check("forward time measured", all(s > 0 for s in prof.fwd_seconds), pts)
+    ph.check("saturation point S", None, f"{prof.saturation_tokens} tokens")
+    ph.check("attention per context token", None, f"{prof.fwd_s_per_context_token * 1e9:.2f} ns")
+    ph.check("swap per block", None, f"{prof.swap_s_per_block * 1e6:.1f} us")
+
+
 def summary(out: Path, phases: List[str]) -> int:
     rows: List[Tuple[str, str, str, str, str]] = []
     for name in phases:
