@@ -227,9 +227,15 @@ def roofline(shape: ModelShape, gpu: GPU = H100_SXM, block_size: int = 16, mem_u
         saturation_tokens=s, notes="not a measurement: bandwidth/compute bounds at the stated efficiencies")
 
 
+def _measured(name: str) -> "Profile":
+    return Profile.load(Path(__file__).with_name("profiles") / f"{name}.json")
+
+
 BUILTIN_PROFILES = {
     "h100-gpt-j-6b": lambda: roofline(SHAPES["gpt-j-6b"]),
     "h100-llama-3-8b": lambda: roofline(SHAPES["llama-3-8b"]),
+    # measured (profiles/__init__.py): the native engine on an H200, 2026-11-28
+    "h200-llama-3-8b": lambda: _measured("h200-llama-3-8b"),
 }
 
 
