@@ -413,7 +413,7 @@ class ProcessEngine:
     def load_stats(self) -> Dict[str, int]:
         """The worker's load, without waiting: ``kv_blocks_used``,
         ``kv_blocks_total``, ``queued_tokens``, ``running``, ``waiting``
-        (and ``contexts``), as :meth:`NativeEngine.load_stats` counts them
+        (and ``contexts``, the capacity keys), as :meth:`NativeEngine.load_stats` counts them
         in the child, which sends them every :data:`STATS_INTERVAL_S` while
         they change (so at most that old).  Raises :class:`EngineUnavailable`
         when the child is gone, :class:`EngineClosed` after :meth:`close`."""
@@ -656,6 +656,8 @@ def _child_main(conn: Any, native_kwargs: Dict[str, Any], policy: Any, name: str
             "ranking": type(engine.scheduler.ranking).__name__,
             "inner_ranking": (type(engine.scheduler.ranking.inner).__name__
                               if hasattr(engine.scheduler.ranking, "inner") else None),
+            # Parrot's capacity regulation as built from the policy (latency cap, throughput cap; None: none)
+            "capacity": [engine.scheduler.capacity.latency_tokens, engine.scheduler.capacity.throughput_tokens],
             "torch_threads": torch.get_num_threads(), "stats": _engine_load(engine),
             "variant_names": sorted(engine.variant_names)}
     from .constraints.grammar import serve_in_worker

@@ -50,6 +50,14 @@ POLICY_PROPERTIES = {
                 "description": "'auto' (measured at start-up, cached), a profile JSON file or a built-in name"},
     "swap_space_tokens": {"type": "integer", "minimum": 0, "description": "host swap pool (default: the KV cache)"},
     "prefix_caching": {"type": "boolean"},
+    "capacity": {
+        "type": "object", "additionalProperties": False,
+        "description": "Parrot's capacity regulation: the tokens an engine runs while latency-critical work runs, "
+                       "and otherwise (docs/semantic-variables.md)",
+        "properties": {"latency_tokens": {"type": ["integer", "null"], "minimum": 1,
+                                          "description": "cap beside latency-critical work (null: regulation off)"},
+                       "throughput_tokens": {"type": ["integer", "null"], "minimum": 1,
+                                             "description": "cap otherwise (null: none but memory)"}}},
     "retention": {
         "type": "object", "additionalProperties": False,
         "description": "keep a chat's context across client-side tool calls for the follow-up request",
@@ -342,6 +350,9 @@ POLICY_DEFAULTS = {"interception": "infercept", "ranking": "lamps", "starvation_
                    "refresh_interval": 1, "horizon": "job", "handling_at_call": False, "profile": "auto",
                    "prefix_caching": True}
 RETENTION_DEFAULTS = {"enabled": True, "max_contexts": 64, "ttl_s": 600.0}
+#: Parrot's example (section 5.4): a latency-critical request's engine runs at most ~2,000 tokens
+CAPACITY_DEFAULTS = {"latency_tokens": PolicySpec.latency_capacity_tokens,
+                     "throughput_tokens": PolicySpec.throughput_capacity_tokens}
 
 
 class ConfigError(ValueError):
@@ -747,11 +758,30 @@ def _policy(defaults: Dict[str, Any], own: Dict[str, Any], kv_cache_tokens: int,
         except ProfileError as e:
             where = f"{where}.profile" if "profile" in own else "engine.profile"
             raise ConfigError(f"{source}: {where}: {e}") from None
+    capacity = _capacity(defaults, own, where, source)
     return PolicySpec(interception=p["interception"], ranking=p["ranking"],
                       starvation_threshold=p["starvation_threshold"], refresh_interval=p["refresh_interval"],
                       horizon=p["horizon"], handling_at_call=p["handling_at_call"], profile=p["profile"],
                       swap_space_tokens=p.get("swap_space_tokens", kv_cache_tokens),
-                      prefix_caching=p["prefix_caching"])
+                      prefix_caching=p["prefix_caching"], latency_capacity_tokens=capacity["latency_tokens"],
+                      throughput_capacity_tokens=capacity["throughput_tokens"])
+
+
+def _capacity(defaults: Dict[str, Any], own: Dict[str, Any], where: str, source: str) -> Dict[str, Any]:
+    """A model's capacity caps, key by key: its own over the ``engine:`` section's over
+    :data:`CAPACITY_DEFAULTS`; a latency cap above the throughput cap is refused, naming
+    the section each came from."""
+    sections = (("engine.capacity", defaults.get("capacity") or {}), (f"{where}.capacity", own.get("capacity") or {}))
+    c, at = dict(CAPACITY_DEFAULTS), {k: "engine.capacity" for k in CAPACITY_DEFAULTS}
+    for path, section in sections:
+        for k, v in section.items():
+            c[k], at[k] = v, path
+    lat, thr = c["latency_tokens"], c["throughput_tokens"]
+    if lat is not None and thr is not None and lat > thr:
+        raise ConfigError(f"{source}: {at['latency_tokens']}.latency_tokens: {lat} exceeds "
+                          f"{at['throughput_tokens']}.throughput_tokens ({thr}); the cap beside latency-critical "
+                          f"work must not be larger than the one without it")
+    return c
 
 
 def _retention(defaults: Dict[str, Any], own: Dict[str, Any], kv_cache_tokens: int) -> RetentionSpec:

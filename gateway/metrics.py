@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.routing import BaseRoute, Mount, Route, compile_path
 
-from ..engine_ext.replicas import engine_stats
+from ..engine_ext.replicas import ROUTE_REASONS, engine_stats
 
 if TYPE_CHECKING:  # the seams' types (imports for annotations only)
     from ..engine_ext.protocol import Engine
@@ -84,6 +84,8 @@ class Metrics:
         r.register(self.replicas)
         self.pins = PinCollector()
         r.register(self.pins)
+        self.capacity = CapacityCollector()
+        r.register(self.capacity)
         # client-side tool calls: contexts retained for the follow-up request (gateway/retention.py)
         self.retention_hits = Counter("interlace_retention_hits", "Requests that adopted a retained context",
                                       ["model"], registry=r)
@@ -112,6 +114,7 @@ class Metrics:
         self.engine_threads.labels(model).set_function(lambda: _stat(engine, "threads"))
         self.replicas.engines.append((model, engine))
         self.pins.engines.append((model, engine))
+        self.capacity.engines.append((model, engine))
 
     def bind_routes(self, routes: Iterable[BaseRoute]) -> None:
         """Count requests by the templates of ``routes`` (the application's route table)."""
@@ -178,13 +181,20 @@ def replica_states(engine: Any) -> List[Dict[str, Any]]:
 
 
 class ReplicaCollector:
-    """``interlace_replica_*``: whether each replica is up, its KV blocks, queued tokens and
-    contexts, and the new contexts routed to it by reason (affinity, prefix, load)."""
+    """``interlace_replica_*``: whether each replica is up, its KV blocks, queued tokens,
+    capacity in force, active tokens, requests held by the cap and contexts, and the new
+    contexts routed to it by reason (:data:`~..engine_ext.replicas.ROUTE_REASONS`)."""
 
     GAUGES: Tuple[Tuple[str, str, str], ...] = (
         ("interlace_replica_kv_blocks_in_use", "KV cache blocks in use on the replica", "kv_blocks_used"),
         ("interlace_replica_kv_blocks_total", "KV cache blocks of the replica", "kv_blocks_total"),
         ("interlace_replica_queued_tokens", "Tokens the replica has queued to compute", "queued_tokens"),
+        ("interlace_replica_capacity_tokens", "Token capacity in force on the replica now (Parrot's capacity "
+         "regulation; 0: none but memory)", "capacity_tokens"),
+        ("interlace_replica_active_tokens", "Context tokens of the replica's requests with work (running or "
+         "waiting to run)", "active_tokens"),
+        ("interlace_replica_capacity_held", "Requests the replica's capacity cap held back at its last step",
+         "capacity_held"),
     )
 
     def __init__(self) -> None:
@@ -208,7 +218,7 @@ class ReplicaCollector:
                 for family, key in gauges:
                     family.add_metric([model, name], float(stats.get(key, 0) or 0))
                 contexts.add_metric([model, name], float(st.get("contexts", 0) or 0))
-                for reason in ("affinity", "prefix", "load"):
+                for reason in ROUTE_REASONS:
                     routed.add_metric([model, name, reason], float((st.get("routed") or {}).get(reason, 0)))
         yield up
         for family, _ in gauges:
@@ -259,3 +269,55 @@ class PinCollector:
         yield held
         yield outcomes
         yield recomputed
+
+
+class CapacityCollector:
+    """Parrot's capacity regulation per model (engine_ext/policies/capacity.py), read
+    from its replicas' load stats when scraped, summed over the live ones (one engine:
+    its own numbers): ``interlace_capacity_tokens`` (the cap in force now: the latency
+    cap while latency-critical work runs, else the throughput cap; 0: none but memory,
+    on some replica -- as ``ReplicaSet.load_stats`` sums it),
+    ``interlace_capacity_active_tokens``, ``interlace_capacity_latency_requests``,
+    ``interlace_capacity_held_requests`` (held back by the cap at the last step) and
+    ``interlace_capacity_configured_tokens`` by objective (the configured caps; 0: none).
+    An engine whose stats lack ``capacity_tokens`` (a remote server) has none of them."""
+
+    #: (metric, help, load-stats key), summed over replicas
+    GAUGES: Tuple[Tuple[str, str, str], ...] = (
+        ("interlace_capacity_tokens", "Token capacity in force now (Parrot's capacity regulation: the latency cap "
+         "while latency-critical work runs, else the throughput cap; 0: none but memory), summed over replicas "
+         "(0 if one has none)",
+         "capacity_tokens"),
+        ("interlace_capacity_active_tokens", "Context tokens of the requests with work (running or waiting to run)",
+         "active_tokens"),
+        ("interlace_capacity_latency_requests", "Latency-critical requests with work", "latency_running"),
+        ("interlace_capacity_held_requests", "Requests held back by the capacity cap at the last step (their KV "
+         "kept)", "capacity_held"),
+    )
+    CONFIGURED = (("latency", "capacity_latency_tokens"), ("throughput", "capacity_throughput_tokens"))
+
+    def __init__(self) -> None:
+        self.engines: List[Tuple[str, Any]] = []
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())
+
+    def collect(self) -> Iterator[Any]:
+        gauges = [(GaugeMetricFamily(name, doc, labels=["model"]), key) for name, doc, key in self.GAUGES]
+        configured = GaugeMetricFamily("interlace_capacity_configured_tokens", "The configured capacity caps by "
+                                       "objective (0: none)", labels=["model", "objective"])
+        for model, engine in self.engines:
+            stats = [st["stats"] for st in replica_states(engine)
+                     if st["alive"] and "capacity_tokens" in (st.get("stats") or {})]
+            if not stats:
+                continue
+            for family, key in gauges:
+                values = [int(st.get(key, 0) or 0) for st in stats]
+                if key == "capacity_tokens" and not all(values):  # a replica with no cap: none for the model
+                    values = [0]
+                family.add_metric([model], float(sum(values)))
+            for objective, key in self.CONFIGURED:
+                configured.add_metric([model, objective], float(max(int(st.get(key, 0) or 0) for st in stats)))
+        for family, _ in gauges:
+            yield family
+        yield configured

@@ -36,7 +36,9 @@ engine (``llm_engine.py``, ``scheduler.py``):
   (``attention.py``), both chosen before the engine starts.
 
 Ranking policies order the work; the engine keeps each context's ``sched``
-current for them (:meth:`NativeEngine._rank_state`).
+current for them (:meth:`NativeEngine._rank_state`).  A capacity policy
+(Parrot's, ``capacity``) bounds the tokens run beside latency-critical work;
+the scheduler holds what does not fit (``scheduler.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import torch
 
 from .. import errors as E
 from ..channel import Channel, Outbox
+from ..policies.capacity import CapacityPolicy, is_latency
 from ..policies.costmodel import Profile
 from ..policies.interception import Handling, InterceptionPolicy, Preserve
 from ..policies.ranking import FCFS, RankingPolicy, RankState
@@ -93,7 +96,8 @@ class NativeEngine:
                  name: str = "model", profile: Optional[Profile] = None, host_pool_tokens: Optional[int] = None,
                  prefix_caching: bool = True, variants: Optional["VariantSet"] = None,
                  attention: str = "torch", cuda_graphs: Optional[bool] = None,
-                 gpu_memory_utilization: Optional[float] = None, adapt_threads: bool = True):
+                 gpu_memory_utilization: Optional[float] = None, adapt_threads: bool = True,
+                 capacity: Optional[CapacityPolicy] = None):
         """``profile`` is the cost model for the swap budget and recomputation
         chunks (else the interception policy's own, else none: swaps move the
         whole context at once and recomputation is not chunked).
@@ -125,7 +129,11 @@ class NativeEngine:
         ``engine.threads`` or the usable cores) as there are free cores,
         re-chosen while the engine runs (:mod:`.cores`): beside a busy
         neighbour a fixed count stalls every parallel region.  ``False``:
-        the count stays as it was."""
+        the count stays as it was.
+        ``capacity``: Parrot's capacity regulation (:mod:`..policies.capacity`:
+        the tokens run beside latency-critical work, held otherwise).  None
+        (default): none, every context runs as memory allows (the gateway
+        configures one: ``engine.capacity``)."""
         if not isinstance(adapt_threads, bool):
             raise ValueError(f"adapt_threads must be true or false, got {adapt_threads!r}")
         self._adapt_threads = adapt_threads
@@ -173,6 +181,10 @@ class NativeEngine:
         self.scheduler = Scheduler(self.blocks, ranking or FCFS(), max_batched_tokens, max_seqs,
                                    inactive=self._inactive_contexts)
         self.scheduler.rank_state = self._rank_state
+        if capacity is not None:
+            if not isinstance(capacity, CapacityPolicy):
+                raise TypeError(f"capacity must be a CapacityPolicy, got {type(capacity).__name__}")
+            self.scheduler.capacity = capacity
         # the step's collaborators, each over the scheduler and blocks; the swapper comes with the KV cache
         self.interceptor = Interceptor(self.scheduler, self.blocks, self.stats, interception or Preserve(), profile)
         self.scheduler.release = self.interceptor.release_kv  # a dropped context's KV goes from the host pool too
@@ -336,10 +348,17 @@ class NativeEngine:
         return await self._call(lambda fut: fut.set_result(self.commands.get(context_id).num_computed))
 
     def set_policies(self, *, interception: Optional[InterceptionPolicy] = None,
-                     ranking: Optional[RankingPolicy] = None, profile: Optional[Profile] = None) -> None:
+                     ranking: Optional[RankingPolicy] = None, profile: Optional[Profile] = None,
+                     capacity: Optional[CapacityPolicy] = None) -> None:
         """Replace the policies (those given) on the engine thread; blocks
-        until done.  For start-up, when the profile is measured on the engine."""
+        until done.  For start-up, when the profile is measured on the engine.
+        ``capacity``: the capacity regulation (``NO_CAPACITY`` turns it off)."""
+        if capacity is not None and not isinstance(capacity, CapacityPolicy):
+            raise TypeError(f"capacity must be a CapacityPolicy, got {type(capacity).__name__}")
+
         def apply(fut):
+            if capacity is not None:
+                self.scheduler.capacity = capacity
             if interception is not None:
                 self.interceptor.policy = interception
             if ranking is not None:
@@ -369,7 +388,17 @@ class NativeEngine:
         ``running`` (contexts generating, not paused), ``waiting`` (active
         contexts with tokens to compute that are not generating: fills),
         ``contexts`` and ``threads`` (the CPU threads its steps run on now;
-        0 on a GPU).  (Named so because ``stats`` is the dict of counters.)"""
+        0 on a GPU).  Parrot's capacity regulation (:mod:`..policies.capacity`):
+        ``capacity_tokens`` (the cap in force now: the latency cap while a
+        latency-critical context has work, else the throughput cap; 0: none
+        but memory), ``active_tokens`` (context tokens of the active contexts
+        with work: running or waiting to run, held ones included),
+        ``latency_running`` (those of them latency-critical),
+        ``capacity_held`` (contexts the cap held back at the last step),
+        ``capacity_held_steps`` (steps that held some back, since start) and
+        the configured ``capacity_latency_tokens`` /
+        ``capacity_throughput_tokens`` (0: none).  (Named so because
+        ``stats`` is the dict of counters.)"""
         for _ in range(3):
             try:
                 active = list(self.scheduler.active)
@@ -382,9 +411,19 @@ class NativeEngine:
         running = sum(1 for c in contexts if c.gen is not None and not c.gen.paused and not c.gen.done)
         queued = sum(max(0, c.num_uncomputed) for c in active)
         waiting = sum(1 for c in active if c.gen is None and c.num_uncomputed > 0)
+        sched = self.scheduler
+        cap = sched.capacity
+        work = [c for c in active if c.num_uncomputed > 0]
         return {"kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
                 "queued_tokens": queued, "running": running, "waiting": waiting, "contexts": len(contexts),
-                "threads": self.threads.threads if self.threads is not None else self._fixed_threads}
+                "threads": self.threads.threads if self.threads is not None else self._fixed_threads,
+                "capacity_tokens": cap.limit(work) or 0,
+                "active_tokens": sum(len(c.token_ids) for c in work),
+                "latency_running": sum(1 for c in work if is_latency(c)),
+                "capacity_held": sched.capacity_held if work else 0,  # (aborted while held: no step since)
+                "capacity_held_steps": sched.capacity_held_steps,
+                "capacity_latency_tokens": cap.latency_tokens or 0,
+                "capacity_throughput_tokens": cap.throughput_tokens or 0}
 
     async def check_invariants(self) -> dict:
         """Verify block and context bookkeeping; returns usage counts."""

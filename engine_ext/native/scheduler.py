@@ -32,6 +32,27 @@ beside the decodes (InferCept 4.3: the iteration is filled up to the
 saturation point S, :meth:`Profile.prefill_budget`, the simulator's rule
 too); otherwise prefills take what ``max_batched_tokens`` leaves.
 
+Parrot's capacity regulation (:class:`~..policies.capacity.CapacityPolicy`,
+``capacity``; none unless set: the engine library's default keeps the old
+behaviour, the gateway configures a 2,048-token latency cap) splits the
+ranked work before it is served: while a latency-critical request has work,
+the contexts run beside it are kept, first fit in rank order, within the
+latency cap (else within the throughput cap, if any); the split runs over
+the step's ranked decodes before its ranked prefills, so throughput contexts
+already decoding keep their room before new ones take any.  A context over the
+cap is *held*: skipped this step, its KV kept, not counted as a
+preemption; it neither stops admission (later contexts that fit are still
+admitted) nor counts as stuck.  Latency-critical and starving contexts
+always run; a held context ages like any passed-over one, so the ranking's
+starvation guarantee still bounds its wait.  Memory may still take a held
+context's KV, as it takes that of any active context not running this step
+(counted as ``running_preemptions``: the KV of admitted work, dropped for
+room, not for the cap).  A step in which nothing the cap lets run
+could be scheduled (all out of memory) runs the held contexts instead
+rather than nothing: a latency request waiting for memory that a held
+throughput group occupies would otherwise wait for ever and fail as
+``KVCacheExhausted``.
+
 Both groups are served fairly across tenants (the API keys of
 ``RequestHint.tenant``): a step's ``max_seqs`` slots are dealt out
 round-robin between the tenants with work, each tenant's decodes before its
@@ -46,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 from ..errors import KVCacheExhausted
+from ..policies.capacity import NO_CAPACITY, CapacityPolicy
 from ..policies.fairness import fair_order
 from ..policies.ranking import FCFS, RankingPolicy, RankState
 from .block_manager import BlockManager, OutOfBlocks
@@ -93,6 +115,11 @@ class Scheduler:
         # names (a discard is a handling, counted by the interceptor): the engine's stats dict once the
         # interceptor shares it
         self.stats = {"running_preemptions": 0, "paused_dropped": 0, "idle_dropped": 0}
+        # Parrot's capacity regulation (module doc); NO_CAPACITY: every context runs as memory allows
+        self.capacity: CapacityPolicy = NO_CAPACITY
+        self.capacity_limit: Optional[int] = None  # the cap in force at the last step (None: memory only)
+        self.capacity_held = 0        # contexts held back by the cap at the last step
+        self.capacity_held_steps = 0  # steps that held some context back
 
     def add(self, ctx: Context) -> None:
         if ctx not in self.active:
@@ -147,13 +174,23 @@ class Scheduler:
         # each tenant's own decodes before its prefills in the ranking's order.  Decodes of one
         # tenant before every prefill would let a burst that fills max_seqs hold another tenant's
         # new request out until the burst's requests end (the trial: a 4-token chat, 14 s).
-        order = fair_order(self.ranking.order(decodes, state) + self.ranking.order(prefills, state))
+        ranked = self.ranking.order(decodes, state) + self.ranking.order(prefills, state)
+        # Parrot's capacity: the contexts over the cap in force are held (skipped, KV kept; module doc)
+        held = self._hold(ranked)
+        order = fair_order(ranked)
         # waiting work's share of the step (chunked recomputation: up to S beside the decodes)
         prefill_left = self.prefill_budget(len(decodes)) if self.prefill_budget is not None else budget
         scheduled: set = set()
         admit = True   # waiting contexts are admitted in rank order until one does not fit (head of line)
         stuck: Optional[Context] = None  # the first context that got no memory
-        for ctx in order:
+
+        def candidates():
+            yield from (c for c in order if c not in held)
+            if held and not batch.chunks:
+                # nothing the cap lets run could be scheduled (memory): the held ones run rather than nothing
+                yield from (c for c in order if c in held)
+
+        for ctx in candidates():
             if budget == 0 or len(batch.chunks) >= self.max_seqs:
                 break
             if ctx in scheduled:
@@ -205,8 +242,23 @@ class Scheduler:
             batch.failed.append((stuck, KVCacheExhausted(
                 f"KV cache full ({self.blocks.num_blocks} blocks): idle or paused contexts hold it; "
                 "free some contexts")))
+        self.capacity_held = sum(1 for c in held if c not in scheduled)
+        if self.capacity_held:
+            self.capacity_held_steps += 1
+        # a held context counts as passed over: the ranking's starvation guarantee bounds its wait
         self.ranking.observe([ch.ctx for ch in batch.chunks], [c for c in order if c not in scheduled])
         return batch
+
+    def _hold(self, ranked: List[Context]) -> Set[Context]:
+        """The contexts of ``ranked`` (this step's work, the ranking's order)
+        that the capacity policy holds back this step.  The cap in force is
+        set by every context with work, those swapping in included."""
+        if not self.capacity.enabled:
+            self.capacity_limit = None
+            return set()
+        self.capacity_limit = self.capacity.limit(c for c in self.active if c.num_uncomputed > 0)
+        _, held = self.capacity.split(ranked, self.capacity_limit)
+        return set(held)
 
     def _moves_pending(self) -> bool:
         return any(c.swap_ops for c in self.active) or any(c.swap_ops for c in self.inactive())

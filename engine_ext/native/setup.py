@@ -75,10 +75,10 @@ def build_native_engine(path: str | os.PathLike, engine_args: Mapping[str, Any],
     """The native engine of ``path`` (see :func:`model_dir`), loaded with
     ``engine_args`` (:meth:`NativeEngine.load` keyword arguments) and, given
     a ``policy`` (the gateway's ``PolicySpec``), its configured interception
-    and ranking policies and cost profile.  The profile they reason with may
+    and ranking policies, capacity regulation and cost profile.  The profile they reason with may
     have to be measured on this engine (``auto``), so the engine is built
     first and given its policies before it serves.  Without a policy: the
-    engine's defaults (preserve, first come first served)."""
+    engine's defaults (preserve, first come first served, no capacity cap)."""
     from ..policies import ObjectiveRanking, ToolDurations, make_interception, make_ranking
 
     if policy is None:
@@ -94,7 +94,7 @@ def build_native_engine(path: str | os.PathLike, engine_args: Mapping[str, Any],
                                                 starvation_threshold=p.starvation_threshold,
                                                 refresh_interval=p.refresh_interval, horizon=p.horizon,
                                                 handling_at_call=p.handling_at_call))
-        engine.set_policies(interception=interception, ranking=ranking, profile=profile)
+        engine.set_policies(interception=interception, ranking=ranking, profile=profile, capacity=p.capacity())
     except BaseException:
         engine.close()
         raise

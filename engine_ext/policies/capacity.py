@@ -21,10 +21,23 @@ first):
 * latency-critical and starving requests always run (the cap bounds what
   runs *beside* them; a starving request is the ranking's guarantee of
   progress, which a cap must not undo);
-* every other request runs if the tokens of those running so far plus its
-  own context stay within the limit (first fit, in rank order), else it is
-  *held*: not scheduled this step, its KV kept where it is (a held request
-  is not preempted, it waits for capacity).
+* every other request runs if the tokens of those running so far -- the
+  latency-critical and starving ones first, wherever they stand in the
+  order -- plus its own context stay within the limit (first fit, in rank
+  order), else it is *held*: not scheduled this step, its KV kept where it
+  is (a held request is not preempted, it waits for capacity).
+
+If nothing would run (no latency-critical or starving request, and the
+first request alone exceeds the limit), the first request runs anyway: a
+request larger than the cap runs alone rather than never.
+
+The always-running requests are counted first because an order need not put
+them first: the native scheduler splits its decodes-then-prefills order (a
+throughput decode ranks before a latency-critical prefill), vLLM its running
+queue before its waiting one.  Counted where they stand, a latency request
+arriving beside 2,000 tokens of running throughput decodes would run beside
+all of them (4,000 tokens under a 2,048 cap); counted first, the decodes
+that do not fit beside it are held.
 
 A request's tokens are its context length (``SchedInfo.context_len``): what
 its decode attends to, Parrot's "aggregate token count from all active
@@ -85,15 +98,30 @@ class CapacityPolicy:
             return list(ordered), []
         run: List[T] = []
         held: List[T] = []
-        total = 0
+        # the always-running requests' tokens first (module doc), the others first fit in order
+        total = sum(_tokens(it) for it in ordered if always_runs(it))
         for it in ordered:
-            n = max(0, int(it.sched.context_len))
-            if is_latency(it) or it.sched.starving or total + n <= lim:
+            if always_runs(it):
+                run.append(it)
+                continue
+            n = _tokens(it)
+            if total + n <= lim:
                 run.append(it)
                 total += n
             else:
                 held.append(it)
+        if not run and held:  # a request larger than the cap runs alone rather than never (module doc)
+            run.append(held.pop(0))
         return run, held
+
+
+def always_runs(item: Rankable) -> bool:
+    """Latency-critical and starving requests run whatever the cap (module doc)."""
+    return is_latency(item) or bool(item.sched.starving)
+
+
+def _tokens(item: Rankable) -> int:
+    return max(0, int(item.sched.context_len))
 
 
 #: regulation off: the engines' behaviour before capacity existed
