@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import (Any, AsyncIterator, Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple,
                     runtime_checkable)
@@ -163,7 +164,16 @@ class RequestHint:
     call's result adds)`` (LAMPS' job horizon; at most
     :data:`MAX_FUTURE_SEGMENTS`).  Seeds the request's ``SchedInfo``; a
     hint given to ``resume`` or ``set_request_hint`` replaces its ranking
-    fields (all but ``tenant``, which stays the request's)."""
+    fields (all but ``tenant``, which stays the request's).
+
+    ``prefix_keys``: where the prompt may share KV with other requests,
+    for placement only (Parrot's FindEngine, :mod:`engine_ext.replicas`),
+    never for ranking: lowercase hex digests of the prompt's prefix hashes
+    at its variable boundaries (:func:`gateway.semantic.prefix_share.
+    boundary_keys`), shortest prefix first, or of a chat request's
+    session / cache key; at most :data:`MAX_PREFIX_KEYS`, each 1 to
+    :data:`MAX_PREFIX_KEY_CHARS` characters.  Only the first fill of a
+    new context needs them."""
 
     app: Optional[str] = None
     expected_output: Optional[int] = None
@@ -173,13 +183,17 @@ class RequestHint:
     task_group: Optional[str] = None
     tenant: Optional[str] = None
     future: Tuple[Tuple[int, Optional[float], int], ...] = ()
+    prefix_keys: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.future, list):  # e.g. from JSON: kept as the (hashable) tuples the field says
             object.__setattr__(self, "future", tuple(tuple(s) if isinstance(s, list) else s for s in self.future))
+        if isinstance(self.prefix_keys, list):
+            object.__setattr__(self, "prefix_keys", tuple(self.prefix_keys))
 
     def validate(self) -> None:
         self._validate_future()
+        self._validate_prefix_keys()
         eo, ts = self.expected_output, self.expected_tool_s
         if eo is not None and (not isinstance(eo, int) or isinstance(eo, bool) or eo < 0):
             raise InvalidSampling(f"hint.expected_output must be a non-negative integer or None, got {eo!r}")
@@ -213,8 +227,19 @@ class RequestHint:
                 raise InvalidSampling(f"hint.future[{i}] must be (output tokens >= 0, call seconds >= 0 or None, "
                                       f"result tokens >= 0), got {seg!r}"[:300])
 
+    def _validate_prefix_keys(self) -> None:
+        keys = self.prefix_keys
+        if not isinstance(keys, (tuple, list)) or len(keys) > MAX_PREFIX_KEYS:
+            raise InvalidSampling(f"hint.prefix_keys must be a sequence of at most {MAX_PREFIX_KEYS} hex digests, "
+                                  f"got {keys!r}"[:300])
+        for i, k in enumerate(keys):
+            if not (isinstance(k, str) and 0 < len(k) <= MAX_PREFIX_KEY_CHARS and _HEX.fullmatch(k)):
+                raise InvalidSampling(f"hint.prefix_keys[{i}] must be a lowercase hex string of 1-"
+                                      f"{MAX_PREFIX_KEY_CHARS} characters, got {k!r}"[:300])
+
     def ranking(self) -> Dict[str, Any]:
-        """The fields a ranking reads (every ``SchedInfo`` field a hint sets but ``tenant``)."""
+        """The fields a ranking reads (every ``SchedInfo`` field a hint sets but ``tenant``;
+        ``prefix_keys`` place a request, they never rank it)."""
         return {"expected_output": self.expected_output, "expected_tool": self.expected_tool,
                 "expected_tool_s": self.expected_tool_s, "future": tuple(tuple(s) for s in self.future),
                 "objective": self.objective, "task_group": self.task_group}
@@ -222,6 +247,12 @@ class RequestHint:
 
 #: the most later segments a :class:`RequestHint` may carry (a job horizon, not a transcript)
 MAX_FUTURE_SEGMENTS = 64
+#: the most prefix keys a :class:`RequestHint` may carry (a prompt's variable boundaries; the
+#: gateway keeps the shortest prefixes when a prompt has more)
+MAX_PREFIX_KEYS = 64
+#: the longest prefix key: a 64-byte digest in hex (BLAKE2b's largest; the gateway's are 16 bytes)
+MAX_PREFIX_KEY_CHARS = 128
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 @runtime_checkable

@@ -4,16 +4,54 @@ A :class:`ReplicaSet` implements the engine protocol over several engines of
 the same model (native in-process or in a worker process, vLLM-backed,
 remote): the gateway talks to it as to one engine.  Each replica keeps its
 own scheduler and policies; the set only decides where a *new* context goes
-and remembers it, since a context's KV lives on exactly one replica:
+and remembers it, since a context's KV lives on exactly one replica.  The
+rule is Parrot's FindEngine (section 5.4, Algorithm 1: a task group first,
+then a shared prefix, then the request on its own), read from the
+:class:`~interlace.engine_ext.protocol.RequestHint` of the call that creates
+the context (a ``fill``, or a ``generate`` that forks), first match wins;
+the reason is counted per replica (``replica_states()["routed"]``,
+:data:`ROUTE_REASONS`):
 
 * a fork goes to its parent's replica ("affinity");
-* a new context whose first 16, 64 or 256 tokens (longest first) begin a
-  context created before goes where that one was created ("prefix"): turns
-  of one conversation, calls of one semantic session and requests sharing
-  a system prompt land where their prefix is cached;
+* a call of a task group (``hint.task_group``: the calls of one parallel
+  stage, :mod:`gateway.semantic.objectives`) goes where the group's first
+  call went, if that replica lives and the call fits its capacity
+  (``active_tokens`` plus the call's tokens within ``capacity_tokens``,
+  when the replica reports them); a group's first call goes to the replica
+  with the most capacity left (then the least loaded), so the whole group
+  can run there in one batch ("group").  A member that no longer fits is
+  placed by the rules below, and the group keeps its replica;
+* a new context whose prompt shares a prefix with one placed before goes
+  where that one went ("prefix"): first the longest of ``hint.prefix_keys``
+  already seen -- the prefix hashes at a semantic call's variable
+  boundaries (:func:`gateway.semantic.prefix_share.boundary_keys`), or the
+  digest of a chat request's ``prompt_cache_key`` -- then its first 16, 64
+  or 256 tokens (longest first).  Turns of one conversation, calls of one
+  semantic session and requests sharing a system prompt land where their
+  prefix is cached (Parrot: "assign them to the same LLM engine" to share
+  the context by forks);
+* a latency-critical call (``hint.objective == "latency"``) goes to a
+  replica already running latency work whose cap still takes the call
+  (``latency_running > 0`` and ``active_tokens`` plus the call's tokens
+  within ``capacity_tokens``: the capacity is reduced there already, so
+  adding it costs the throughput work nothing -- Parrot's example), else to
+  the replica with the fewest active tokens, where reducing the capacity to
+  the latency cap holds back the least throughput work ("latency");
 * otherwise the least loaded replica ("load"): fewest tokens queued and
   contexts running (:func:`engine_stats`, plus what the set has sent and not
   yet seen answered), then most free KV blocks, then the first.
+
+Prefix keys (the hint's and the token levels) and task groups are
+remembered for the replica a context went to, in bounded tables (oldest
+forgotten first).  The capacity figures (``capacity_tokens``,
+``active_tokens``, ``latency_running``) are what the native engine's
+``load_stats`` reports; an engine without them (a remote server, an older
+engine) counts as fitting anything, with its queued tokens standing in for
+its active ones.  Prefix affinity is not bounded by capacity, as Parrot's
+is not: a call that forks a shared prefix saves its prefill wherever the
+replica's queue stands, and the engine's own capacity regulation decides
+when it runs.  The prefix keys never change a replica's ranking: they only
+place.
 
 A replica is *dead* once one of its calls raises
 :class:`~interlace.engine_ext.errors.EngineClosed` or
@@ -34,7 +72,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
 
-from .errors import ContextExists, ContextNotFound, EngineClosed, EngineUnavailable, UnknownVariant
+from .errors import ContextExists, ContextNotFound, EngineClosed, EngineUnavailable, InvalidSampling, UnknownVariant
 from .protocol import PauseHint, RequestHint, SamplingParams, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -46,7 +84,18 @@ HEALTH_INTERVAL_S = 0.5
 #: A probe after an ``abort`` (is the replica gone?) gives up after this long: gone.
 PROBE_TIMEOUT_S = 5.0
 
-STATS_KEYS = ("kv_blocks_used", "kv_blocks_total", "queued_tokens", "running", "waiting", "threads")
+#: the load figures :meth:`ReplicaSet.load_stats` sums over the live replicas
+STATS_KEYS = ("kv_blocks_used", "kv_blocks_total", "queued_tokens", "running", "waiting", "threads",
+              "active_tokens", "latency_running", "capacity_held")
+#: why a new context went where it went (``replica_states()["routed"]``), in the order the rules apply
+ROUTE_REASONS = ("affinity", "group", "prefix", "latency", "load")
+
+
+def _stat(st: Dict[str, Any], key: str, default: int = 0) -> int:
+    try:
+        return int(st.get(key, default) or 0)
+    except (TypeError, ValueError):
+        return default
 
 
 def engine_stats(engine: Any) -> Optional[Dict[str, int]]:
@@ -61,6 +110,15 @@ def engine_stats(engine: Any) -> Optional[Dict[str, int]]:
         return dict(fn())
     except Exception:  # noqa: BLE001  (a dying engine: no numbers, not an error)
         return None
+
+
+def _check_hint(hint: Any) -> None:
+    """A hint the set routes by is checked first, as the engines check it."""
+    if hint is None:
+        return
+    if not isinstance(hint, RequestHint):
+        raise InvalidSampling(f"hint must be a RequestHint, got {type(hint).__name__}")
+    hint.validate()
 
 
 def _variants(engine: Any) -> frozenset:
@@ -143,7 +201,7 @@ class ReplicaSet:
 
     def __init__(self, engines: Sequence[Any], names: Optional[Sequence[str]] = None, *,
                  prefix_levels: Iterable[int] = PREFIX_LEVELS, max_prefixes: int = 65536,
-                 max_gone: int = 65536):
+                 max_gone: int = 65536, max_groups: int = 4096):
         engines = list(engines)
         if not engines:
             raise ValueError("a ReplicaSet needs at least one engine")
@@ -158,10 +216,12 @@ class ReplicaSet:
         self.name = getattr(first, "name", "model")
         self.interception = getattr(first, "interception", None)
         self.prefix_levels = tuple(sorted(set(int(n) for n in prefix_levels)))
-        self.max_prefixes, self.max_gone = max_prefixes, max_gone
+        self.max_prefixes, self.max_gone, self.max_groups = max_prefixes, max_gone, max_groups
         self._routes: Dict[Hashable, _Route] = {}
         self._gone: "OrderedDict[Hashable, str]" = OrderedDict()  # contexts of dead replicas -> replica
-        self._prefixes: "OrderedDict[bytes, _Replica]" = OrderedDict()
+        # prefix keys -> replica: bytes of the token levels, str of the hints' keys (never equal)
+        self._prefixes: "OrderedDict[Any, _Replica]" = OrderedDict()
+        self._groups: "OrderedDict[Tuple[Optional[str], str], _Replica]" = OrderedDict()  # (variant, group)
         self._closed = False
         self._monitor: Optional[asyncio.Task] = None
 
@@ -174,9 +234,10 @@ class ReplicaSet:
         context of a model ``variant`` (BlockLLM) goes to a replica that
         holds that variant's blocks."""
         token_ids = list(token_ids)
+        _check_hint(hint)  # before it places anything (its prefix keys are remembered)
         extra = {"variant": variant} if variant is not None else {}
         for _ in self.replicas:
-            route, created = self._route(context_id, parent_context_id, token_ids, variant)
+            route, created = self._route(context_id, parent_context_id, token_ids, variant, hint)
             r = route.replica
             route.inflight += 1
             r.pending_tokens += len(token_ids)
@@ -203,7 +264,8 @@ class ReplicaSet:
         """The replica's stream; if the replica dies under it, the stream
         ends with :class:`EngineUnavailable` (not ``abort``)."""
         sampling = sampling or SamplingParams()
-        route, created = self._route(context_id, parent_context_id, None)
+        _check_hint(hint)
+        route, created = self._route(context_id, parent_context_id, None, hint=hint)
         r = route.replica
         stream = _Stream()
         route.inflight += 1
@@ -328,21 +390,29 @@ class ReplicaSet:
 
     def load_stats(self) -> Dict[str, int]:
         """:func:`engine_stats` summed over the live replicas (a dead one's
-        KV no longer counts, in use or in all); ``contexts`` counts the
-        contexts the set routes."""
+        KV no longer counts, in use or in all; :data:`STATS_KEYS`, the
+        capacity figures included: active tokens, latency requests
+        running, requests held by a cap); ``contexts`` counts the contexts
+        the set routes.  ``capacity_tokens`` is the sum of the replicas'
+        caps in force -- the tokens the set may run now -- when every live
+        replica has one, else 0 (as on one engine: no cap but memory),
+        since a replica without a cap takes what a sum would say is over."""
         out = dict.fromkeys(STATS_KEYS, 0)
+        caps: List[int] = []
         for r in self.replicas:
             if self._check(r):
                 st = engine_stats(r.engine) or {}
                 for k in STATS_KEYS:
-                    out[k] += int(st.get(k, 0) or 0)
+                    out[k] += _stat(st, k)
+                caps.append(_stat(st, "capacity_tokens"))
+        out["capacity_tokens"] = sum(caps) if caps and all(c > 0 for c in caps) else 0
         out["contexts"] = len(self._routes)
         return out
 
     def replica_states(self) -> List[Dict[str, Any]]:
         """Per replica: ``name``, ``alive``, ``contexts`` (routed to it now),
         ``stats`` (:func:`engine_stats`; None once dead) and ``routed`` (new
-        contexts placed on it, by reason: affinity, prefix, load)."""
+        contexts placed on it, by reason: :data:`ROUTE_REASONS`)."""
         out = []
         for r in self.replicas:
             alive = self._check(r)
@@ -376,8 +446,8 @@ class ReplicaSet:
         return total
 
     # =============================================================== routing
-    def _route(self, cid: Hashable, parent: Optional[Hashable],
-               tokens: Optional[List[int]], variant: Optional[str] = None) -> Tuple[_Route, bool]:
+    def _route(self, cid: Hashable, parent: Optional[Hashable], tokens: Optional[List[int]],
+               variant: Optional[str] = None, hint: Optional[RequestHint] = None) -> Tuple[_Route, bool]:
         """The route of ``cid`` and whether this call creates it."""
         if self._closed:
             raise EngineClosed("the engine is closed")
@@ -396,15 +466,18 @@ class ReplicaSet:
                 raise self._unavailable(r)
             reason = "affinity"
             proute.children += 1
+            self._remember(self._hint_keys(hint, variant), r)  # the fork holds those prefixes too
         else:
-            r, reason = self._place(tokens or [], variant)
+            r, reason = self._place(tokens or [], variant, hint)
         route = _Route(r, parent)
         self._routes[cid] = route
         r.contexts.add(cid)
         r.routed[reason] += 1
         return route, True
 
-    def _place(self, tokens: List[int], variant: Optional[str] = None) -> Tuple[_Replica, str]:
+    def _place(self, tokens: List[int], variant: Optional[str] = None,
+               hint: Optional[RequestHint] = None) -> Tuple[_Replica, str]:
+        """FindEngine (the module docstring): the replica of a new context, and why."""
         holders = self.replicas if variant is None else [r for r in self.replicas if variant in _variants(r.engine)]
         if not holders:
             raise UnknownVariant(f"no replica of {self.name} serves the model variant {variant!r}")
@@ -412,22 +485,82 @@ class ReplicaSet:
         if not live:
             raise EngineUnavailable(f"no replica of {self.name}{'' if variant is None else ' holding ' + variant} "
                                     f"is available; retry later")
-        keys = self._prefix_keys(tokens, variant)
-        for key in reversed(keys):  # longest first
-            r = self._prefixes.get(key)
-            if r is not None and r in live:
-                self._remember(keys, r)
-                return r, "prefix"
-        r = min(live, key=self._load)
-        self._remember(keys, r)
-        return r, "load"
+        n = len(tokens)
+        stats = {r.index: engine_stats(r.engine) or {} for r in live}
+        keys: List[Any] = self._prefix_keys(tokens, variant)
+        hint_keys = self._hint_keys(hint, variant)
+        r, reason = self._by_group(live, stats, n, hint, variant), "group"
+        if r is None:
+            reason = "prefix"
+            for key in [*reversed(hint_keys), *reversed(keys)]:  # the hint's, then the token levels; longest first
+                r = self._prefixes.get(key)
+                if r is not None and r in live:
+                    break
+                r = None
+        if r is None and hint is not None and hint.objective == "latency":
+            reason = "latency"
+            shared = [x for x in live if _stat(stats[x.index], "latency_running") > 0
+                      and self._fits(x, stats[x.index], n, unknown=False)]
+            r = min(shared or live, key=lambda x: (self._active(x, stats[x.index]), self._load(x, stats[x.index])))
+        if r is None:
+            reason = "load"
+            r = min(live, key=lambda x: self._load(x, stats[x.index]))
+        self._remember(hint_keys + keys, r)
+        return r, reason
 
-    def _load(self, r: _Replica) -> Tuple[int, int, int]:
-        st = engine_stats(r.engine) or {}
+    def _by_group(self, live: List[_Replica], stats: Dict[int, Dict[str, Any]], n: int,
+                  hint: Optional[RequestHint], variant: Optional[str]) -> Optional[_Replica]:
+        """A task group's replica: where its first call went, if the call fits
+        there (None: it does not, place it otherwise); for a group not seen
+        (or whose replica is gone), the replica with the most capacity left,
+        remembered."""
+        if hint is None or hint.task_group is None:
+            return None
+        key = (variant, hint.task_group)
+        r = self._groups.get(key)
+        if r is not None and r in live:
+            self._groups.move_to_end(key)
+            return r if self._fits(r, stats[r.index], n) else None
+        r = min(live, key=lambda x: (-self._room(x, stats[x.index]), self._load(x, stats[x.index])))
+        self._groups[key] = r
+        self._groups.move_to_end(key)
+        while len(self._groups) > self.max_groups:
+            self._groups.popitem(last=False)
+        return r
+
+    @staticmethod
+    def _active(r: _Replica, st: Dict[str, Any]) -> int:
+        """Tokens of the replica's contexts with work (its queued tokens where
+        it does not say), and at least what the set sent it unanswered."""
+        active = _stat(st, "active_tokens") if "active_tokens" in st else _stat(st, "queued_tokens")
+        return max(active, r.pending_tokens)
+
+    def _room(self, r: _Replica, st: Dict[str, Any]) -> float:
+        """Tokens the replica's cap in force leaves (infinite: no cap but memory)."""
+        cap = _stat(st, "capacity_tokens")
+        return cap - self._active(r, st) if cap > 0 else float("inf")
+
+    def _fits(self, r: _Replica, st: Dict[str, Any], n: int, unknown: bool = True) -> bool:
+        """Whether ``n`` more tokens fit the replica's cap; ``unknown``: the
+        answer for a replica that reports no cap."""
+        if _stat(st, "capacity_tokens") <= 0:
+            return unknown
+        return self._room(r, st) >= n
+
+    def _load(self, r: _Replica, st: Optional[Dict[str, Any]] = None) -> Tuple[int, int, int]:
+        if st is None:
+            st = engine_stats(r.engine) or {}
         # the fills sent and not answered are (or will soon be) among the tokens the replica has queued
-        busy = max(int(st.get("queued_tokens", 0) or 0), r.pending_tokens) + int(st.get("running", 0) or 0)
-        free = int(st.get("kv_blocks_total", 0) or 0) - int(st.get("kv_blocks_used", 0) or 0)
+        busy = max(_stat(st, "queued_tokens"), r.pending_tokens) + _stat(st, "running")
+        free = _stat(st, "kv_blocks_total") - _stat(st, "kv_blocks_used")
         return busy, -free, r.index
+
+    @staticmethod
+    def _hint_keys(hint: Optional[RequestHint], variant: Optional[str] = None) -> List[str]:
+        """The hint's prefix keys as keys of the prefix table (str, so never
+        equal to a token level's bytes; a variant's apart, as there)."""
+        keys = list(hint.prefix_keys) if hint is not None else []
+        return keys if variant is None else [f"{variant}\0{k}" for k in keys]
 
     def _prefix_keys(self, tokens: List[int], variant: Optional[str] = None) -> List[bytes]:
         """Keys of the prefix-affinity table; a variant's KV is its own
@@ -443,7 +576,7 @@ class ReplicaSet:
             keys.append(h.copy().digest())
         return keys
 
-    def _remember(self, keys: List[bytes], r: _Replica) -> None:
+    def _remember(self, keys: List[Any], r: _Replica) -> None:
         for key in keys:
             self._prefixes[key] = r
             self._prefixes.move_to_end(key)
@@ -550,6 +683,8 @@ class ReplicaSet:
             self._gone.popitem(last=False)
         for key in [k for k, v in self._prefixes.items() if v is r]:
             del self._prefixes[key]
+        for key in [k for k, v in self._groups.items() if v is r]:
+            del self._groups[key]
         for s in list(r.streams):
             s.kill()
 

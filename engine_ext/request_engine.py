@@ -478,6 +478,8 @@ class RequestEngine:
         if h is not None:
             extra.update(h.ranking(), tenant=h.tenant)
             extra["future"] = [list(seg) for seg in h.future]  # JSON-able (vLLM's extra_args travel msgpack'd)
+            if h.prefix_keys:  # placement only (replicas.py): carried along, never ranked
+                extra["prefix_keys"] = list(h.prefix_keys)
         return extra
 
     async def _prefill(self, ctx: _Context, hint: Optional[RequestHint]) -> None:

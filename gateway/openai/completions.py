@@ -85,6 +85,17 @@ run: each gets an error result and the completion ends with
 without calls).  Tool results that do not fit the context left (keeping a small
 reserve for the answer) are truncated with a visible marker; the result record
 says so in ``truncated``.
+
+Placement.  A request with a ``prompt_cache_key`` (OpenAI's field, on chat
+completions and, translated, the Responses API) puts a digest of it -- of
+the caller's key name with it, so one caller's key never places another's
+requests -- in the ``prefix_keys`` of the hint its new context is filled
+with: on several replicas (:mod:`engine_ext.replicas`) requests sharing a
+key land where the first one went, and find its prefix cached there (what
+OpenAI says the key is for).  ``user`` is not used for it, though OpenAI
+used it so before ``prompt_cache_key`` replaced it: it names an end user,
+all of whose conversations would then pile onto one replica, and the turns
+of one conversation find each other by their tokens' prefix anyway.
 """
 
 from __future__ import annotations
@@ -93,6 +104,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -226,6 +238,9 @@ class CompletionPlan:
     #: tell a reasoning model's reasoning apart from its answer (False: the legacy text completions,
     #: whose raw prompt has no chat template, get the output as it is)
     parse_reasoning: bool = True
+    #: the request's ``prompt_cache_key`` (None: none): requests sharing it are placed together
+    #: (the module docstring, "Placement")
+    cache_key: Optional[str] = None
 
 
 class FirstRoundOnly:
@@ -579,7 +594,10 @@ async def run_completion(model: ModelServer, plan: CompletionPlan, runtime: Opti
                 ctx = None
         if ctx is None:
             ctx = f"chat-{uuid.uuid4().hex}"
-            await engine.fill(ctx, plan.prompt_ids, hint=hint)
+            placed = hint  # the new context's first fill says where it belongs (several replicas)
+            if plan.cache_key:
+                placed = dataclasses.replace(hint, prefix_keys=(cache_key_digest(owner, plan.cache_key),))
+            await engine.fill(ctx, plan.prompt_ids, hint=placed)
         stream = engine.generate(ctx, sampling, hint=hint)
         async with contextlib.aclosing(stream):
             async for ev in stream:
@@ -752,6 +770,14 @@ def _may_call(plan: CompletionPlan, rounds: int) -> bool:
         return False
     client = any(n not in plan.server_tools for n in plan.offered_tools)
     return client or (bool(plan.server_tools) and rounds < plan.max_tool_rounds)
+
+
+def cache_key_digest(owner: Optional[str], key: str) -> str:
+    """The prefix key (``RequestHint.prefix_keys``) of a request's ``prompt_cache_key``:
+    a digest of it under the caller's key name (None: the anonymous caller)."""
+    h = hashlib.blake2b(digest_size=16, person=b"interlace-pck")
+    h.update((owner or "").encode("utf-8", "surrogatepass") + b"\0" + key.encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
 
 
 def _segment_hint(app: str, owner: Optional[str], pred: SegmentPrediction) -> RequestHint:

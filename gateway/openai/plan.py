@@ -137,7 +137,7 @@ def build_plan(model: ModelServer, body: Dict[str, Any], *, available_tools: Map
                           max_tool_rounds=ext.get("max_tool_rounds", max_tool_rounds),
                           parallel_tool_calls=body.get("parallel_tool_calls") is not False,
                           request_info={"model": model.name, "user": body.get("user"), "key": caller},
-                          offered_tools=offered)
+                          offered_tools=offered, cache_key=body.get("prompt_cache_key") or None)
 
 
 def server_tools(available: Mapping[str, Any], wanted: Any, tools: List[Dict[str, Any]]) -> Dict[str, Any]:

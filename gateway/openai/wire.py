@@ -37,6 +37,8 @@ MAX_JSON_DEPTH = 64
 #: hundred values.
 MAX_SCHEMA_NODES = 10_000
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+#: ``prompt_cache_key``: OpenAI refuses a longer one (400); here it places requests (completions.py)
+PROMPT_CACHE_KEY_CHARS = 64
 
 TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
              "properties": {"type": {"const": "text",
@@ -126,7 +128,8 @@ CHAT_REQUEST_SCHEMA = {
         # accepted and ignored: they do not change what is generated
         "user": {"type": ["string", "null"]},
         "safety_identifier": {"type": ["string", "null"]},
-        "prompt_cache_key": {"type": ["string", "null"]},
+        # nor does this: requests sharing it are placed on one replica (completions.py, "Placement")
+        "prompt_cache_key": {"type": ["string", "null"], "maxLength": PROMPT_CACHE_KEY_CHARS},
         # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
         "metadata": {"type": ["object", "null"], "maxProperties": METADATA_PAIRS,
                      "propertyNames": {"maxLength": METADATA_KEY_CHARS},

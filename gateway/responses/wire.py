@@ -168,7 +168,7 @@ RESPONSES_REQUEST_SCHEMA = {
         # accepted and ignored: they do not change what is generated (as on the chat route)
         "user": {"type": ["string", "null"]},
         "safety_identifier": {"type": ["string", "null"]},
-        "prompt_cache_key": {"type": ["string", "null"]},
+        "prompt_cache_key": {"type": ["string", "null"], "maxLength": chat_wire.PROMPT_CACHE_KEY_CHARS},
         "service_tier": {"type": ["string", "null"]},
         "include": {"type": ["array", "null"], "items": {"type": "string"}},
         "truncation": {"enum": ["disabled", None]},

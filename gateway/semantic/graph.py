@@ -32,7 +32,7 @@ from ..errors import DependencyFailed, GatewayError, InvalidInput, NotFound, Too
 from ...engine_ext.protocol import MAX_FUTURE_SEGMENTS
 from .dag import NAME, PLACEHOLDER, SEMANTIC_APP, Call, Output, Variable, new_id
 from .objectives import CallNode, deduce
-from .prefix_share import Piece, PrefixStore, Shared, boundary_keys
+from .prefix_share import Piece, PrefixStore, Shared, boundary_keys, hint_keys, with_prefix_keys
 from ..prompt import prompt_bytes_bound
 from .prompt import prompt_pieces
 from .submit import CallReader, link, unlink
@@ -310,8 +310,9 @@ class SessionGraph:
             self.usage.prompt_tokens += length
             first_out = next(name for k, name in call.items if k == "output")
             self._predict(call, model, call.outputs[first_out], length)
+            # the first fill places the context: on several replicas, where its prefix is (replicas.py)
             await engine.fill(ctx, rest, parent_context_id=shared.entry.context_id if shared else None,
-                              hint=call.hint())
+                              hint=with_prefix_keys(call.hint(), hint_keys(keys, store.min_tokens)))
             made = True
             filled = len(rest) + (shared.filled if shared else 0)
             forked = (shared.entry.tokens - shared.filled) if shared else 0

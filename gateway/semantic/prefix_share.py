@@ -26,11 +26,21 @@ boundary inside a variable, text after the fork point).  Forks add what the
 block cache cannot: calls dispatched together share one computation of the
 prefix (the cache only holds blocks once they are computed), partial blocks
 included.
+
+The same hashes place a new context when the model runs on several replicas
+(Parrot's FindEngine, :mod:`engine_ext.replicas`): the first fill of a
+prefix context or of a call's own context carries them in
+``RequestHint.prefix_keys`` (:func:`hint_keys`: those at least
+``min_tokens`` long, the shortest first -- a boundary shorter than that
+is a chat template's head or a few words every prompt may start with,
+which would pull unrelated calls onto one replica), so a call goes to the
+replica that holds its prefix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -38,6 +48,8 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+from ...engine_ext.protocol import MAX_PREFIX_KEYS, RequestHint
 
 if TYPE_CHECKING:  # the seams' types (imports for annotations only)
     from ...engine_ext.protocol import Engine
@@ -65,6 +77,23 @@ def boundary_keys(model: str, pieces: Sequence[Piece]) -> List[Tuple[bytes, int,
         static = static and p.static
         out.append((h, n, static))
     return out
+
+
+def hint_keys(keys: Sequence[Tuple[bytes, int, bool]], min_tokens: int = 0) -> Tuple[str, ...]:
+    """``RequestHint.prefix_keys`` of a prompt whose :func:`boundary_keys`
+    are ``keys``: the hex digests of the prefixes at least ``min_tokens``
+    long, shortest first; of a prompt with more boundaries than a hint
+    carries (:data:`MAX_PREFIX_KEYS`), the shortest, the ones other prompts
+    are likelier to share."""
+    return tuple(k.hex() for k, n, _ in keys if n >= min_tokens)[:MAX_PREFIX_KEYS]
+
+
+def with_prefix_keys(hint: Optional[RequestHint], prefix_keys: Tuple[str, ...]) -> Optional[RequestHint]:
+    """``hint`` carrying ``prefix_keys`` (for the first fill of a new context)."""
+    if not prefix_keys:
+        return hint
+    return dataclasses.replace(hint, prefix_keys=prefix_keys) if hint is not None else RequestHint(
+        prefix_keys=prefix_keys)
 
 
 @dataclass(eq=False)
@@ -150,8 +179,10 @@ class PrefixStore:
             if parent is not None:
                 parent.children += 1
             try:
+                # the hashes up to this boundary: a replica set places the prefix where it is shared
                 await self.engine.fill(entry.context_id, tokens,
-                                       parent_context_id=parent.context_id if parent else None, hint=hint)
+                                       parent_context_id=parent.context_id if parent else None,
+                                       hint=with_prefix_keys(hint, hint_keys(keys[:k + 1], self.min_tokens)))
             except BaseException as e:
                 del self.entries[key]
                 if parent is not None:
