@@ -392,6 +392,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from interlace.engine_ext.sim.block_cli import main as sim_blocks_main
 
         return sim_blocks_main(argv[2:])
+    if argv[:2] == ["sim", "apps"]:  # Parrot's applications on the simulator: its own parser (no --trace)
+        from interlace.engine_ext.sim.app_cli import main as sim_apps_main
+
+        return sim_apps_main(argv[2:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.fn in (cmd_profile, cmd_zoo, cmd_mcp):

@@ -8,7 +8,9 @@ online as the served product does; ``--oracle`` reads them from the trace
 (the upper bound, never the product's condition).  ``--horizon`` and
 ``--handling-at-call`` are LAMPS' options.  Bad input exits 2 with one line
 on stderr.
-``interlace sim blocks ...`` is the cluster simulator (``block_cli``).
+``interlace sim blocks ...`` is the cluster simulator (``block_cli``);
+``interlace sim apps ...`` runs Parrot's applications on a simulated engine
+(``app_cli``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ TABLE_KEYS = ("completed", "rps", "norm_latency_p50", "norm_latency_p90", "norm_
 BLOCKS_EPILOG = ("Cluster mode: `interlace sim blocks [--variants N] [--rate R] [--cluster JSON] "
                  "[--placement locality|naive] [--kv owner-first|least-loaded] [--speculate K] [--ablate] ...` "
                  "compares per-model and block (BlockLLM) provisioning of N fine-tuned variants on a simulated "
-                 "cluster; `interlace sim blocks --help` lists its options.")
+                 "cluster; `interlace sim blocks --help` lists its options.  Applications: `interlace sim apps "
+                 "[--apps ...] [--sizes bench|parrot|quick] [--profile P] [--repeats N] ...` runs Parrot's "
+                 "applications request-centric and through Semantic Variables on a simulated engine; "
+                 "`interlace sim apps --help` lists its options.")
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -110,5 +115,9 @@ def main(argv=None) -> int:
         from .block_cli import main as blocks_main
 
         return blocks_main(argv[1:])
+    if argv[:1] == ["apps"]:
+        from .app_cli import main as apps_main
+
+        return apps_main(argv[1:])
     p = argparse.ArgumentParser(prog="interlace sim", description=__doc__.splitlines()[0])
     return run_sim(add_sim_arguments(p).parse_args(argv))
