@@ -63,6 +63,13 @@ Which vLLM mechanism implements each protocol call
   engine-core process from ``additional_config["interlace"]``; the
   :class:`RequestHint` travels in ``SamplingParams.extra_args`` (a
   ``resume``'s hint with the request that continues the stream).
+* **Capacity** (Parrot's regulation, issue 35) -- the same scheduler keeps
+  the requests run beside latency-critical work within the configured cap
+  (``CapacityPolicy``, as on the native engine): the others are held, kept
+  out of vLLM's steps without being preempted (their KV and slot stay), and
+  ``load_stats`` reports the cap under the native engine's keys
+  (:mod:`.scheduler` says how, and what vLLM's asynchronous scheduling
+  changes).
 
 What it cannot do (and the native engine can)
 ---------------------------------------------

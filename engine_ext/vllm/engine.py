@@ -135,6 +135,10 @@ class VLLMEngine(RequestEngine):
         #: sessions hold a vLLM request slot while they wait: at most half of max_num_seqs, so new work
         #: always finds slots (the least recently used idle context's session ends first; else a plain request)
         self.max_sessions = max(1, int(cfg.scheduler_config.max_num_seqs) // 2)
+        #: Parrot's caps, as the scheduler in the engine core applies them (scheduler.py)
+        self.capacity = scheduler.build_capacity((cfg.additional_config or {}).get(scheduler.CONFIG_KEY) or {})
+        self._capacity_core: Dict[str, int] = {}  # the scheduler's last capacity numbers (capacity_held, ...)
+        self._capacity_asking = False
         self._sessions_lru: "OrderedDict[Any, Any]" = OrderedDict()
         mc = cfg.model_config
         self.kv_bytes_per_token = (2 * mc.get_num_layers(cfg.parallel_config) * mc.get_total_num_kv_heads()
@@ -270,15 +274,69 @@ class VLLMEngine(RequestEngine):
         return out
 
     def load_stats(self) -> Dict[str, Any]:
-        """The request engine's load, and with kept KV the pins (``pinned_blocks``, ``pinned``,
-        ``pin_<outcome>``, ``recomputed_after_resume``: gateway/metrics.py)."""
+        """The request engine's load, with kept KV the pins (``pinned_blocks``, ``pinned``,
+        ``pin_<outcome>``, ``recomputed_after_resume``: gateway/metrics.py), and Parrot's capacity
+        regulation under the native engine's keys.
+
+        ``capacity_tokens`` (the cap in force now; 0: none but memory), ``active_tokens`` and
+        ``latency_running`` are this frontend's view, current at once (routing reads them right
+        after placing work): its contexts generating or filling, their token lists and their hints'
+        objectives -- what the scheduler in the engine core sees a step later.  ``capacity_held``
+        (requests the cap held back at the scheduler's last step) and ``capacity_held_steps``
+        exist only in the engine core: vLLM's ``SchedulerStats`` has no field to carry them, so they
+        are the last numbers fetched through the utility RPC (:meth:`fetch_capacity_stats`; each
+        read asks for fresher ones in the background, as the pins do) -- 0 before the first
+        answer and once the engine core is gone."""
         out = super().load_stats()
         if self.keep_kv:
             pins = self.pin_stats()
             out.update(pinned_blocks=pins.get("pinned_blocks", 0), pinned=pins.get("pinned", 0),
                        recomputed_after_resume=pins.get("recomputed_after_resume", 0),
                        **{f"pin_{k}": pins.get(k, 0) for k in ("hits", "expired", "dropped", "discarded", "misses")})
+        out.update(self._capacity_view())
+        core = self._capacity_core if self.alive else {}
+        out["capacity_held"] = int(core.get("capacity_held", 0)) if out["active_tokens"] else 0
+        out["capacity_held_steps"] = int(core.get("capacity_held_steps", 0))
+        if self.capacity.enabled and not self._capacity_asking and self.alive and self._loop.is_running():
+            self._capacity_asking = True
+            self._post(lambda: self._loop.create_task(self._refresh_capacity()))
         return out
+
+    def _capacity_view(self) -> Dict[str, int]:
+        from types import SimpleNamespace
+
+        from ..policies.capacity import is_latency
+
+        work = []
+        for ctx in list(self.contexts.values()):
+            gen = ctx.gen
+            if ctx.busy or (gen is not None and not gen.paused and not gen.done):
+                h = ctx.hint or (gen.hint if gen is not None else None)
+                work.append(SimpleNamespace(sched=SimpleNamespace(objective=getattr(h, "objective", None)),
+                                            n=len(ctx.token_ids)))
+        cap = self.capacity
+        return {"capacity_tokens": (cap.limit(work) if cap.enabled else None) or 0,
+                "active_tokens": sum(w.n for w in work),
+                "latency_running": sum(1 for w in work if is_latency(w)),
+                "capacity_latency_tokens": cap.latency_tokens or 0,
+                "capacity_throughput_tokens": cap.throughput_tokens or 0}
+
+    async def fetch_capacity_stats(self) -> Dict[str, int]:
+        """The scheduler's capacity numbers now, as the engine core sees them
+        (``capacity_tokens``, ``active_tokens``, ``latency_running``,
+        ``capacity_held``, ``capacity_held_steps``, the configured caps)."""
+        async def fetch() -> Dict[str, int]:
+            self._capacity_core = dict(await self.llm.engine_core.call_utility_async("scheduler", "capacity"))
+            return dict(self._capacity_core)
+        return await self._call(fetch())
+
+    async def _refresh_capacity(self) -> None:
+        try:
+            self._capacity_core = dict(await self.llm.engine_core.call_utility_async("scheduler", "capacity"))
+        except Exception as e:  # noqa: BLE001  (metrics keep the last counts)
+            log.debug("capacity stats: %s", e)
+        finally:
+            self._capacity_asking = False
 
     async def _refresh_pins(self) -> None:
         try:
@@ -369,7 +427,7 @@ def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, pro
                             refresh_interval=getattr(policy, "refresh_interval", 1) if policy else 1,
                             horizon=getattr(policy, "horizon", "job") if policy else "job",
                             handling_at_call=bool(getattr(policy, "handling_at_call", False)) if policy else False,
-                            pins=pins)
+                            pins=pins, capacity=_capacity(policy))
     kw["additional_config"] = {"interlace": conf}
     extra = dict(engine.get("args") or {})
     clash = sorted(set(extra) & {"model", "scheduler_cls", "additional_config"})
@@ -381,6 +439,16 @@ def engine_args(engine: Dict[str, Any], model_path: str, policy: Any = None, pro
     except TypeError as e:  # an unknown vLLM argument in engine.args
         raise ValueError(f"engine.args: {e} (see `vllm serve --help` for vLLM {_version()}'s engine arguments)") \
             from None
+
+
+def _capacity(policy: Any) -> Any:
+    """The policy's capacity caps (``PolicySpec.capacity()``); none for a
+    policy without them (the engine library's default: regulation off, as
+    on the native engine)."""
+    from ..policies.capacity import NO_CAPACITY
+
+    make = getattr(policy, "capacity", None)
+    return make() if callable(make) else NO_CAPACITY
 
 
 def engine_config(args: Any) -> Any:
@@ -407,7 +475,8 @@ def load_vllm_engine(engine: Dict[str, Any], model_path: str, policy: Any = None
     """A :class:`VLLMEngine` for the gateway's ``engine: {kind: vllm, ...}``.
 
     ``policy`` (the model's PolicySpec) names the ranking that runs inside
-    vLLM's scheduler.  Its interception policy is always *discard* here
+    vLLM's scheduler, and its capacity caps (``PolicySpec.capacity()``; none
+    without a policy).  Its interception policy is always *discard* here
     (the only handling vLLM can do, see the package docstring): LAMPS
     predicts that handling, and the policy's tool-duration predictor is
     shared with the gateway.  Rankings that need a cost model get the

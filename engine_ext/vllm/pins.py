@@ -159,6 +159,9 @@ class _Pinning:
             if st is not None and st.pinned_at is not None:
                 self._release(st, "dropped")
             return st is not None
+        nxt = getattr(super(), "__call__", None)  # the ranking's calls (scheduler.py: "capacity")
+        if nxt is not None:
+            return nxt(op, payload)
         raise ValueError(f"unknown Interlace scheduler call {op!r}")
 
     def pin_stats(self) -> Dict[str, int]:
