@@ -1,14 +1,17 @@
 """Parrot's applications, request-centric against Semantic Variables (``interlace bench apps``).
 
-    interlace bench apps [--apps chain,mapreduce,shared,multiagent] [--repeats 3] [--seed 0]
+    interlace bench apps [--apps chain,mapreduce,shared,multiagent] [--variants a-seq,a-par,b]
+                         [--capacity off|on|both] [--latency-cap 2048] [--repeats 3] [--seed 0]
                          [--out-png docs/bench_apps.png] [--json out.json] [--quick]
+    interlace bench apps --mixed [...]      (the mixed run: bench/mixed.py, ``--mixed --help``)
 
 Parrot (OSDI '24, section 8) measures four application shapes against the
 same applications written as an application would call an OpenAI-style
 endpoint, with 200-300 ms of simulated network delay per request.  Here they
 run on the native engine with the embedded model (SmolLM2-135M-Instruct,
-float32, CPU), the gateway in process on loopback (uvicorn in a thread; the
-engine's counters are read directly):
+CPU), the gateway in process on loopback (uvicorn in a thread; the engine's
+counters are read directly), in the engine's fastest configuration on a CPU
+by default (see "The engine" below):
 
 * ``chain``      chain summary of the bundled document (``bench/data``),
   cut into ``--chunks`` pieces of ``--chunk-tokens`` tokens: each step
@@ -76,9 +79,43 @@ Each placeholder follows a single newline: the server tokenizes a template's
 pieces separately, and a piece ending in ``"\n\n"`` tokenizes differently
 from the same text inside one string (one token instead of two).
 
-Torch runs one thread by default (``--threads``): on a 2-core machine with two,
-one busy neighbour stalls every OpenMP barrier (a 312-token prompt took 20 s
-instead of 3 s while another gateway ran tests beside it).
+The engine (``--weights``, ``--threads``).  By default the embedded model runs
+as shipped (``weights: as-shipped``: the GGUF's Q4_1 tensors through the
+compiled ``gguf`` kernel, float32 compute; ``docs/quantization.md``) with the
+gateway's thread default (one torch thread per usable core, re-chosen while
+it runs from what is free: ``adapt_threads``, ``docs/cpu-engine.md``), and
+the compiled decode-attention kernel (``attention: auto``): the settings of
+``docs/cpu-engine.md``.  As shipped decodes ~1.9x as fast as dense float32
+at batch 1 and 8 (``docs/quantization.md``, a quiet 2-core EPYC); on this
+2-core Xeon (Ice Lake, AVX-512 VNNI), 2026-11-28, with other test runs
+beside it (load average 1-3), one 200-word summary / eight together, 32
+tokens each, took 2.4-8.9 s / 12.6-13.4 s as shipped against 10.5-13.0 s /
+15.7-25.2 s dense (three runs as shipped, two dense; the first bench apps tables, 2026-11-23,
+ran dense float32 on one fixed thread).  The price is start-up: a gateway
+as shipped loads in 20-33 s here, dense in 5-8 s (reading the GGUF's
+metadata, ~11 s, and packing the Q4_1 tensors for the kernel, ~16 s,
+profiled), paid once per variant and setting.  ``--weights float32`` gives
+the dense reference path; ``--threads N`` caps the engine's threads
+(``engine.threads``; before issue 31's governor the bench pinned one thread,
+because with two a busy neighbour stalled every OpenMP barrier: a 312-token
+prompt took 20 s instead of 3 s).
+
+Capacity regulation (``--capacity``, issue 35; Parrot section 5.4,
+``engine_ext/policies/capacity.py``): ``off`` runs every variant with
+``engine.capacity.latency_tokens: null`` (no cap but memory), ``on`` with the
+cap ``--latency-cap`` (default 2048 tokens, the engine's default and
+Parrot's example) while latency-critical work runs and ``--throughput-cap``
+otherwise (default none), ``both`` runs every variant once per setting (each
+on its own fresh gateway, the settings alternating within a repeat).  The
+tables come per setting, each with its ratios to that setting's ``b``; with
+both, a table per app compares ``on`` with ``off`` (e2e on / off, and how
+often the cap held work back).  The rule holds back only
+work *beside* latency-critical work (latency-critical requests always run),
+so in these applications it can act only where ``b``'s latency-critical
+final calls overlap other work (plain completions carry no objective: the
+request-centric variants never meet the latency cap).  The case it is for,
+latency-critical chats beside a task group on one engine, is the mixed run
+(``--mixed``, ``bench/mixed.py``).
 """
 
 from __future__ import annotations
@@ -113,6 +150,65 @@ VARIANT_ORDER = ("a-seq", "a-par", "a-par-nocache", "b", "b-nocache")
 
 class BenchError(ValueError):
     """Bad benchmark input (an unknown app, a bad size): the message names the option."""
+
+
+# =========================================================================== the engine's settings
+#: ``--capacity`` values, and the settings each runs
+CAPACITY_MODES = {"off": ("off",), "on": ("on",), "both": ("off", "on")}
+#: the latency cap of ``on`` unless ``--latency-cap`` says otherwise: the engine's default (Parrot's example)
+DEFAULT_LATENCY_CAP = 2048
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One setting of the engine's capacity regulation (the gateway config's
+    ``engine.capacity``; ``engine_ext/policies/capacity.py``): ``label`` is
+    ``off`` (``latency_tokens`` None: no cap but memory) or ``on``."""
+
+    label: str
+    latency_tokens: Optional[int]
+    throughput_tokens: Optional[int] = None
+
+    def config(self) -> Dict[str, Optional[int]]:
+        return {"latency_tokens": self.latency_tokens, "throughput_tokens": self.throughput_tokens}
+
+    def describe(self) -> str:
+        if self.latency_tokens is None and self.throughput_tokens is None:
+            return "capacity regulation off"
+        return (f"capacity regulation on: {fmt_cap(self.latency_tokens)} beside latency-critical work, "
+                f"else {fmt_cap(self.throughput_tokens)}")
+
+
+def fmt_cap(tokens: Optional[int]) -> str:
+    return "no cap" if tokens is None else f"{tokens} tokens"
+
+
+def _positive_or_none(value: Optional[int], option: str) -> Optional[int]:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise BenchError(f"{option} must be a positive number of tokens, got {value!r}")
+    return value
+
+
+def capacity_settings(mode: str, latency_cap: Optional[int] = None,
+                      throughput_cap: Optional[int] = None) -> List[Capacity]:
+    """The settings ``--capacity MODE`` runs, in order (``both``: off, then on)."""
+    if mode not in CAPACITY_MODES:
+        raise BenchError(f"--capacity must be one of {', '.join(CAPACITY_MODES)}, got {mode!r}")
+    lat = _positive_or_none(latency_cap, "--latency-cap")
+    thr = _positive_or_none(throughput_cap, "--throughput-cap")
+    lat = DEFAULT_LATENCY_CAP if lat is None else lat
+    if thr is not None and lat > thr:
+        raise BenchError(f"--latency-cap ({lat}) must not exceed --throughput-cap ({thr})")
+    made = {"off": Capacity("off", None, None), "on": Capacity("on", lat, thr)}
+    return [made[label] for label in CAPACITY_MODES[mode]]
+
+
+def parse_weights(text: str) -> str:
+    from interlace.engine_ext.native.options import WEIGHTS
+
+    if text not in WEIGHTS:
+        raise BenchError(f"--weights must be one of {', '.join(WEIGHTS)}, got {text!r}")
+    return text
 
 
 # =========================================================================== applications
@@ -190,14 +286,18 @@ def chain_app(chunks: Sequence[str], out: int) -> App:
                f"chain summary, {len(chunks)} pieces, {out} tokens per step")
 
 
-def mapreduce_app(chunks: Sequence[str], out: int) -> App:
+def mapreduce_app(chunks: Sequence[str], out: int, reduce_out: Optional[int] = None) -> App:
+    """One summary per piece (map), then one of them all (reduce; ``reduce_out``
+    tokens, default ``out``)."""
     calls = [Call(f"part_{i}", "Summarize the following part of a document in detail.\n{{input:chunk}}",
                   {"chunk": ("const", c)}, out, 0) for i, c in enumerate(chunks)]
     body = "\n\n".join(f"Part {i + 1}:\n{{{{input:s{i}}}}}" for i in range(len(chunks)))
     calls.append(Call("summary", "Here are summaries of the parts of a document, in order.\n\n" + body
                       + "\n\nWrite one detailed summary of the whole document.",
-                      {f"s{i}": ("var", f"part_{i}") for i in range(len(chunks))}, out, 1))
-    return App("mapreduce", calls, ["summary"], f"map-reduce summary, {len(chunks)} pieces, {out} tokens per call")
+                      {f"s{i}": ("var", f"part_{i}") for i in range(len(chunks))},
+                      out if reduce_out is None else reduce_out, 1))
+    per_call = f"{out} tokens per call" if reduce_out in (None, out) else f"{out} tokens per map, {reduce_out} reduce"
+    return App("mapreduce", calls, ["summary"], f"map-reduce summary, {len(chunks)} pieces, {per_call}")
 
 
 SYSTEM_PROMPT = """You are TripMate, a travel-planning assistant built for a travel agency's customers. Your job is to help each customer plan a trip that fits their budget, their interests and the time they have. Follow every rule below in every answer.
@@ -419,6 +519,7 @@ async def run_semantic(url: str, transport: httpx.AsyncBaseTransport, app: App) 
 
     oc = Outcome()
     oc.extra["sessions"] = []
+    oc.extra["calls"] = {}  # the variable a call writes -> (session id, its token, the call's id)
     finals = set(app.finals)
     t0 = time.monotonic()
 
@@ -436,6 +537,7 @@ async def run_semantic(url: str, transport: httpx.AsyncBaseTransport, app: App) 
             inputs = {k: (v if kind == "const" else var[v]) for k, (kind, v) in c.inputs.items()}
             call = await s.submit(c.text + "{{output:out}}", inputs=inputs, outputs={"out": out}, chat=True)
             var.setdefault(c.out, call.output)
+            oc.extra["calls"][c.out] = (s.id, s.token, call.id)
 
         async def declare(name: str) -> None:
             var[name] = await s.variable(name=name)
@@ -553,15 +655,40 @@ class Gateway:
             raise RuntimeError("the gateway did not stop within 120 s (its engine is not released)")
 
 
-def gateway_config(prefix_caching: bool, kv_cache_tokens: int, max_batched_tokens: int) -> Dict[str, Any]:
-    return {"plugins": {"entrypoints": False},
-            "models": {MODEL: {"path": "embedded", "dtype": "float32", "kv_cache_tokens": kv_cache_tokens,
-                               "max_batched_tokens": max_batched_tokens, "prefix_caching": prefix_caching}}}
+def gateway_config(prefix_caching: bool, kv_cache_tokens: int, max_batched_tokens: int, *,
+                   weights: Optional[str] = None, threads: int = 0,
+                   capacity: Optional[Capacity] = None) -> Dict[str, Any]:
+    """The gateway's config: the embedded model, float32 compute; ``weights``
+    None keeps the engine's default (dense float32), ``threads`` 0 the
+    gateway's (the usable cores, adapted while running), ``capacity`` None the
+    engine's default regulation."""
+    model: Dict[str, Any] = {"path": "embedded", "dtype": "float32", "kv_cache_tokens": kv_cache_tokens,
+                             "max_batched_tokens": max_batched_tokens, "prefix_caching": prefix_caching}
+    if weights is not None:
+        model["weights"] = weights
+    cfg: Dict[str, Any] = {"plugins": {"entrypoints": False}, "models": {MODEL: model}}
+    engine: Dict[str, Any] = {}
+    if threads:
+        engine["threads"] = threads
+    if capacity is not None:
+        engine["capacity"] = capacity.config()
+    if engine:
+        cfg["engine"] = engine
+    return cfg
 
 
-async def _sample_blocks(engine, peak: List[int], stop: asyncio.Event, every_s: float = 0.005) -> None:
+async def _sample_blocks(engine, peak: List[int], stop: asyncio.Event, every_s: float = 0.005,
+                         held: Optional[List[int]] = None) -> None:
+    """``peak[0]``: the most KV blocks in use, sampled every ``every_s``; with
+    ``held``, ``held[0]`` the most requests the capacity cap held back at one
+    step (``load_stats()["capacity_held"]``, read every tenth sample; an
+    engine without it counts 0)."""
+    n = 0
     while not stop.is_set():
         peak[0] = max(peak[0], engine.blocks.num_used)
+        if held is not None and n % 10 == 0:
+            held[0] = max(held[0], int(engine.load_stats().get("capacity_held", 0)))
+        n += 1
         try:
             await asyncio.wait_for(stop.wait(), every_s)
         except asyncio.TimeoutError:
@@ -590,9 +717,12 @@ def _wait_idle(engine, timeout_s: float = 10.0) -> int:
 
 
 def measure(app: App, variant: str, *, seed: int, repeat: int, delay: Tuple[float, float], kv_cache_tokens: int,
-            max_batched_tokens: int) -> Dict[str, Any]:
-    """One run of ``app`` as ``variant`` on a fresh gateway: the table's numbers."""
-    cfg = gateway_config(not variant.endswith("-nocache"), kv_cache_tokens, max_batched_tokens)
+            max_batched_tokens: int, weights: Optional[str] = None, threads: int = 0,
+            capacity: Optional[Capacity] = None) -> Dict[str, Any]:
+    """One run of ``app`` as ``variant`` on a fresh gateway (:func:`gateway_config`'s
+    settings): the table's numbers."""
+    cfg = gateway_config(not variant.endswith("-nocache"), kv_cache_tokens, max_batched_tokens, weights=weights,
+                         threads=threads, capacity=capacity)
     kind = variant.removesuffix("-nocache")
     with Gateway(cfg) as gw:  # (no local holds the engine past the block: it is collected there)
 
@@ -602,10 +732,11 @@ def measure(app: App, variant: str, *, seed: int, repeat: int, delay: Tuple[floa
             await asyncio.sleep(0.05)
             rng = random.Random(f"bench-apps:{seed}:{app.name}:{repeat}")
             transport = delayed_transport(rng, *delay)
-            peak = [0]
+            peak, held = [0], [0]
             stop = asyncio.Event()
             before = dict(eng.stats)
-            sampler = asyncio.ensure_future(_sample_blocks(eng, peak, stop))
+            held_steps0 = int(eng.load_stats().get("capacity_held_steps", 0))
+            sampler = asyncio.ensure_future(_sample_blocks(eng, peak, stop, held=held))
             t0 = time.monotonic()
             try:
                 if kind == "b":
@@ -617,6 +748,7 @@ def measure(app: App, variant: str, *, seed: int, repeat: int, delay: Tuple[floa
             finally:
                 stop.set()
                 await sampler
+            held_steps = int(eng.load_stats().get("capacity_held_steps", 0)) - held_steps0
             prefill = eng.stats["prefill_tokens"] - before["prefill_tokens"]
             decode = eng.stats["decode_tokens"] - before["decode_tokens"]
             usage: Dict[str, Any] = {}
@@ -626,17 +758,20 @@ def measure(app: App, variant: str, *, seed: int, repeat: int, delay: Tuple[floa
                 oc.output_tokens = int(usage.get("completion_tokens", 0))
                 oc.calls = sum(usage.get("calls", {}).values()) or len(app.calls)
             return oc, wall, prefill, decode, peak[0], {"requests": transport.requests, "usage": usage,
-                                                         "delay_s": transport.delay_s}
+                                                         "delay_s": transport.delay_s, "held": held[0],
+                                                         "held_steps": held_steps}
 
         oc, wall, prefill, decode, peak, net = asyncio.run(go())
         leaked = _wait_idle(gw.engine)
-    row = {"app": app.name, "variant": variant, "repeat": repeat, "e2e_s": wall, "prefill_tokens": prefill,
+    row = {"app": app.name, "variant": variant, "capacity": capacity.label if capacity is not None else "default",
+           "repeat": repeat, "e2e_s": wall, "prefill_tokens": prefill,
            "decode_tokens": decode, "peak_blocks": peak, "output_tokens": oc.output_tokens,
            "prompt_tokens": oc.prompt_tokens, "calls": oc.calls,
            "calls_at_max": oc.calls_at_max if kind != "b" else None,
            "http_requests": net["requests"], "network_s_sum": net["delay_s"],
            "client_mean_s": statistics.fmean(oc.client_s.values()) if oc.client_s else None,
-           "finals": {k: oc.values.get(k) for k in app.finals}, "leaked_blocks": leaked}
+           "finals": {k: oc.values.get(k) for k in app.finals}, "leaked_blocks": leaked,
+           "held_max": net["held"], "held_steps": net["held_steps"]}
     if kind == "b":
         row["usage"] = net["usage"]
     return row
@@ -659,6 +794,8 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
                   "client_mean_s", "calls"):
             s[k] = _median([r[k] for r in rs])
         s["e2e_all"] = [round(r["e2e_s"], 3) for r in rs]
+        s["held_max"] = max((r.get("held_max", 0) for r in rs), default=0)
+        s["held_steps"] = _median([r.get("held_steps", 0) for r in rs])
         at_max = [r["calls_at_max"] for r in rs]
         s["calls_at_max"] = _median(at_max) if rs and at_max[0] is not None else None
         s["leaked_blocks"] = max((r["leaked_blocks"] for r in rs), default=0)
@@ -685,10 +822,13 @@ COLUMNS = ("variant", "e2e s", "x vs b", "prefilled tok", "x vs b", "peak KV blo
            "prompt tok", "HTTP req", "runs")
 
 
-def table(app: App, summ: Dict[str, Dict[str, Any]], same: Dict[str, str]) -> List[str]:
-    """The markdown table of one app: each variant's medians and its ratios to ``b``."""
+def table(app: App, summ: Dict[str, Dict[str, Any]], same: Dict[str, str], setting: Optional[str] = None
+          ) -> List[str]:
+    """The markdown table of one app (under one capacity ``setting``): each
+    variant's medians and its ratios to ``b``'s (of the same setting)."""
     b = summ.get("b", {})
-    lines = [f"**{app.name}**: {app.about}; {len(app.calls)} calls in {len(app.stages())} stages",
+    under = f"; capacity {setting}" if setting is not None else ""
+    lines = [f"**{app.name}**: {app.about}; {len(app.calls)} calls in {len(app.stages())} stages{under}",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for v in VARIANT_ORDER:
         if v in same:
@@ -707,6 +847,29 @@ def table(app: App, summ: Dict[str, Dict[str, Any]], same: Dict[str, str]) -> Li
             fmt(s["prefill_tokens"], 0), fmt(_ratio(s["prefill_tokens"], b.get("prefill_tokens")), 2),
             fmt(s["peak_blocks"], 0), fmt(_ratio(s["peak_blocks"], b.get("peak_blocks")), 2),
             fmt(s["output_tokens"], 0), fmt(s["prompt_tokens"], 0), fmt(s["http_requests"], 0), str(s["runs"])]) + " |")
+    return lines
+
+
+CAPACITY_COLUMNS = ("variant", "e2e s off", "e2e s on", "on / off", "prefilled tok off", "prefilled tok on",
+                    "peak KV blocks off", "peak KV blocks on", "held at most (on)", "steps holding (on)")
+
+
+def capacity_table(app: App, by_setting: Dict[str, Dict[str, Dict[str, Any]]]) -> List[str]:
+    """With both settings: each variant's medians off and on, and e2e on / off
+    (> 1: regulation made it slower); "held at most" is the most requests
+    the cap held back at one step (sampled; 0: it never bound), "steps
+    holding" the engine's steps that held some back (median)."""
+    off, on = by_setting.get("off", {}), by_setting.get("on", {})
+    lines = [f"**{app.name}**: capacity regulation on against off (medians)",
+             "| " + " | ".join(CAPACITY_COLUMNS) + " |", "|" + "---|" * len(CAPACITY_COLUMNS)]
+    for v in VARIANT_ORDER:
+        a, b = off.get(v), on.get(v)
+        if not (a and b and a["runs"] and b["runs"]):
+            continue
+        lines.append("| " + " | ".join([
+            v, fmt(a["e2e_s"], 2), fmt(b["e2e_s"], 2), fmt(_ratio(b["e2e_s"], a["e2e_s"]), 2),
+            fmt(a["prefill_tokens"], 0), fmt(b["prefill_tokens"], 0), fmt(a["peak_blocks"], 0),
+            fmt(b["peak_blocks"], 0), str(b.get("held_max", 0)), fmt(b.get("held_steps"), 0)]) + " |")
     return lines
 
 
@@ -761,7 +924,10 @@ def check_lines(app: App, summ: Dict[str, Dict[str, Any]], rows: List[Dict[str, 
     return out
 
 
-def plot(apps: List[App], summaries: Dict[str, Dict[str, Dict[str, Any]]], title: str, path: str) -> None:
+def plot(apps: List[App], summaries: Dict[str, Dict[str, Dict[str, Dict[str, Any]]]], title: str,
+         path: str) -> None:
+    """Bars per app and variant (``summaries[app][setting][variant]``); with
+    two capacity settings, ``on`` hatched beside ``off``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -771,19 +937,22 @@ def plot(apps: List[App], summaries: Dict[str, Dict[str, Dict[str, Any]]], title
               ("peak_blocks", "peak KV blocks in use")]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     names = [a.name for a in apps]
-    present = [v for v in VARIANT_ORDER if any(v in summaries[n] and summaries[n][v]["runs"] for n in names)]
+    settings = [c for c in ("off", "on", "default") if any(c in summaries[n] for n in names)]
+    present = [(v, c) for v in VARIANT_ORDER for c in settings
+               if any(summaries[n].get(c, {}).get(v, {}).get("runs") for n in names)]
     width = 0.8 / max(1, len(present))
     colors = {"a-seq": "tab:red", "a-par": "tab:orange", "a-par-nocache": "tab:brown", "b": "tab:blue",
               "b-nocache": "tab:cyan"}
     for ax, (key, label) in zip(axes, panels):
-        for j, v in enumerate(present):
+        for j, (v, c) in enumerate(present):
             xs, ys = [], []
             for i, n in enumerate(names):
-                s = summaries[n].get(v)
+                s = summaries[n].get(c, {}).get(v)
                 if s and s["runs"] and s.get(key) is not None:
                     xs.append(i + (j - (len(present) - 1) / 2) * width)
                     ys.append(s[key])
-            ax.bar(xs, ys, width, label=v, color=colors.get(v))
+            ax.bar(xs, ys, width, label=v if len(settings) == 1 else f"{v}, capacity {c}", color=colors.get(v),
+                   hatch="//" if c == "on" and len(settings) > 1 else None, edgecolor="white")
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
@@ -814,30 +983,89 @@ def parse_delay(text: str) -> Tuple[float, float]:
     return parts[0] / 1000, parts[1] / 1000
 
 
+def parse_variants(text: Optional[str]) -> Optional[List[str]]:
+    """``--variants``: None (every variant an app has) or the names given."""
+    if text is None:
+        return None
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANT_ORDER]
+    if bad or not names:
+        raise BenchError(f"--variants: unknown variant {bad[0] if bad else text!r}; choose from "
+                         f"{', '.join(VARIANT_ORDER)}")
+    return names
+
+
+def add_engine_arguments(ap: argparse.ArgumentParser, capacity_default: str,
+                         latency_cap_default: int = DEFAULT_LATENCY_CAP) -> None:
+    """The engine's options, shared with the mixed run (bench/mixed.py)."""
+    ap.add_argument("--kv-cache-tokens", type=int, default=16384)
+    ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--weights", default="as-shipped",
+                    help="how the weight matmuls are stored (the model's weights option; default as-shipped: the "
+                         "GGUF's Q4_1 tensors, the fastest on a CPU; float32: dense, the reference path)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="most torch threads of the engine (engine.threads; default 0: one per usable core, as many "
+                         "as are free while it runs)")
+    ap.add_argument("--capacity", default=capacity_default, choices=list(CAPACITY_MODES),
+                    help="capacity regulation (engine.capacity): off, on, or both (every run once per setting, each "
+                         f"on a fresh gateway; default {capacity_default})")
+    ap.add_argument("--latency-cap", type=int, default=latency_cap_default,
+                    help="with regulation on: the engine's tokens while latency-critical work runs "
+                         f"(default {latency_cap_default})")
+    ap.add_argument("--throughput-cap", type=int, default=None,
+                    help="with regulation on: the engine's tokens otherwise (default: no cap but memory)")
+
+
+def engine_options(args: argparse.Namespace) -> Tuple[List[Capacity], Dict[str, Any]]:
+    """The capacity settings to run and :func:`gateway_config`'s other keyword arguments."""
+    settings = capacity_settings(args.capacity, args.latency_cap, args.throughput_cap)
+    for name in ("kv_cache_tokens", "max_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.threads < 0:
+        raise BenchError(f"--threads must be 0 (the gateway's default) or positive, got {args.threads}")
+    return settings, {"weights": parse_weights(args.weights), "threads": args.threads}
+
+
+def engine_header(args: argparse.Namespace, settings: Sequence[Capacity]) -> str:
+    weights = ("as shipped (the GGUF's Q4_1 tensors)" if args.weights == "as-shipped"
+               else f"weights {args.weights}")
+    threads = f"at most {args.threads} threads" if args.threads else "threads: the usable cores, adapted"
+    return (f"native engine, embedded SmolLM2-135M-Instruct, {weights}, float32 compute, {threads}; KV cache "
+            f"{args.kv_cache_tokens} tokens, {args.max_batched_tokens} tokens/step; "
+            + "; ".join(f"{c.label}: {c.describe()}" for c in settings))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="interlace bench apps", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mixed", action="store_true",
+                    help="the mixed run instead (latency-critical chats beside a map-reduce task group, "
+                         "bench/mixed.py; its own options: --mixed --help)")
     ap.add_argument("--apps", help=f"comma-separated, default all: {','.join(APPS)}")
+    ap.add_argument("--variants", help=f"comma-separated, default every one an app has: {','.join(VARIANT_ORDER)}")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run): " + ", ".join(
         f"{k} {v}" for k, v in QUICK.__dict__.items()))
     ap.add_argument("--repeats", type=int, default=1, help="runs of every variant (medians reported; the order of "
-                                                           "the variants rotates from repeat to repeat)")
+                                                           "the variants, and of the capacity settings, rotates "
+                                                           "from repeat to repeat)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the network delays")
     ap.add_argument("--delay-ms", default="200,300", help="simulated network delay per HTTP request, uniform LO,HI ms")
     for k in Sizes.__dataclass_fields__:
         ap.add_argument("--" + k.replace("_", "-"), type=int, help=f"default {getattr(FULL, k)} ({getattr(QUICK, k)} "
                                                                    "with --quick)")
-    ap.add_argument("--kv-cache-tokens", type=int, default=16384)
-    ap.add_argument("--max-batched-tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: with two, one busy neighbour "
-                                                         "on a 2-core machine stalls every OpenMP barrier; 0: "
-                                                         "torch's default)")
+    add_engine_arguments(ap, capacity_default="both")
     ap.add_argument("--out-png", help="save the plot here")
     ap.add_argument("--json", metavar="PATH", help="write every run and the summaries as JSON")
     return ap
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--mixed" in argv:
+        from .mixed import main as mixed_main
+
+        return mixed_main([a for a in argv if a != "--mixed"])
     args = build_parser().parse_args(argv)
     try:
         return _main(args)
@@ -846,13 +1074,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
 
+def run_order(variants: Sequence[str], settings: Sequence[Capacity], rep: int) -> List[Tuple[str, Capacity]]:
+    """The (variant, capacity setting) runs of repeat ``rep``: the variants
+    rotated by ``rep``, each run once per setting, the settings rotated too
+    (off first in even repeats, on first in odd ones), so no variant or
+    setting always runs first on a machine that drifts."""
+    order = list(variants[rep % len(variants):]) + list(variants[:rep % len(variants)])
+    sets = list(settings[rep % len(settings):]) + list(settings[:rep % len(settings)])
+    return [(v, c) for v in order for c in sets]
+
+
 def _main(args: argparse.Namespace) -> int:
     import torch
 
     names = parse_apps(args.apps)
+    chosen = parse_variants(args.variants)
     delay = parse_delay(args.delay_ms)
     if args.repeats < 1:
         raise BenchError(f"--repeats must be positive, got {args.repeats}")
+    settings, engine_kw = engine_options(args)
     base = QUICK if args.quick else FULL
     sizes = Sizes(**{k: (getattr(args, k) if getattr(args, k) is not None else getattr(base, k))
                      for k in Sizes.__dataclass_fields__})
@@ -863,8 +1103,6 @@ def _main(args: argparse.Namespace) -> int:
         raise BenchError(f"--users: at most {len(USER_QUERIES)}")
     if sizes.files > len(FILES):
         raise BenchError(f"--files: at most {len(FILES)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     from interlace.engine_ext.embedded import embedded_model_dir
     from interlace.engine_ext.native.loader import load_config
@@ -873,51 +1111,71 @@ def _main(args: argparse.Namespace) -> int:
     d = embedded_model_dir()
     tok = Tokenizer(d, load_config(d)[0])
     apps = build_apps(names, sizes, tok)
-    mach = machine_description(torch=torch.__version__, torch_threads=torch.get_num_threads())
-    header = (f"native engine, embedded SmolLM2-135M-Instruct (float32), KV cache {args.kv_cache_tokens} tokens, "
-              f"{args.max_batched_tokens} tokens/step; network {delay[0] * 1000:g}-{delay[1] * 1000:g} ms per HTTP "
+    mach = machine_description(torch=torch.__version__, engine_threads=args.threads or "adapted")
+    header = (f"{engine_header(args, settings)}; network {delay[0] * 1000:g}-{delay[1] * 1000:g} ms per HTTP "
               f"request (seed {args.seed}); sizes {sizes.__dict__}; {args.repeats} repeat(s), medians")
     rows: List[Dict[str, Any]] = []
-    summaries: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    summaries: Dict[str, Dict[str, Dict[str, Dict[str, Any]]]] = {}
     sames: Dict[str, Dict[str, str]] = {}
     failed = False
     for app in apps:
         variants, same = variants_for(app)
+        if chosen is not None:
+            variants = [v for v in variants if v in chosen]
+            same = {v: w for v, w in same.items() if v in chosen}
         sames[app.name] = same
+        if not variants:
+            print(f"  {app.name}: none of --variants {args.variants} applies "
+                  f"(it has {', '.join(variants_for(app)[0])})", file=sys.stderr)
+            continue
         app_rows = []
         for rep in range(args.repeats):
-            order = variants[rep % len(variants):] + variants[:rep % len(variants)]
-            for v in order:
+            for v, cap in run_order(variants, settings, rep):
                 t = time.perf_counter()
+                tag = f"{app.name} {v} capacity {cap.label} #{rep}"
                 try:
-                    row = measure(app, v, seed=args.seed, repeat=rep, delay=delay,
-                                  kv_cache_tokens=args.kv_cache_tokens, max_batched_tokens=args.max_batched_tokens)
-                    print(f"  {app.name} {v} #{rep}: e2e {row['e2e_s']:.2f} s, prefilled {row['prefill_tokens']}, "
-                          f"peak {row['peak_blocks']} blocks, {row['output_tokens']} output tokens "
-                          f"({time.perf_counter() - t:.1f} s with start-up)", file=sys.stderr)
+                    row = measure(app, v, seed=args.seed, repeat=rep, delay=delay, capacity=cap,
+                                  kv_cache_tokens=args.kv_cache_tokens, max_batched_tokens=args.max_batched_tokens,
+                                  **engine_kw)
+                    print(f"  {tag}: e2e {row['e2e_s']:.2f} s, prefilled {row['prefill_tokens']}, "
+                          f"peak {row['peak_blocks']} blocks, {row['output_tokens']} output tokens, held at most "
+                          f"{row['held_max']} ({time.perf_counter() - t:.1f} s with start-up)", file=sys.stderr)
                 except Exception as e:  # noqa: BLE001 -- a failed variant is reported, the others still run
                     failed = True
-                    row = {"app": app.name, "variant": v, "repeat": rep, "error": f"{type(e).__name__}: {e}"}
-                    print(f"  {app.name} {v} #{rep}: FAILED: {row['error']}", file=sys.stderr)
+                    row = {"app": app.name, "variant": v, "capacity": cap.label, "repeat": rep,
+                           "error": f"{type(e).__name__}: {e}"}
+                    print(f"  {tag}: FAILED: {row['error']}", file=sys.stderr)
                 app_rows.append(row)
         rows += app_rows
-        summaries[app.name] = summarize(app_rows)
+        summaries[app.name] = {c.label: summarize([r for r in app_rows if r["capacity"] == c.label])
+                               for c in settings}
+    apps = [a for a in apps if a.name in summaries]
 
     print(f"\n{header}\nmachine: {describe_machine(mach)}\n")
     for app in apps:
-        for ln in table(app, summaries[app.name], sames[app.name]):
-            print(ln)
-        for ln in check_lines(app, summaries[app.name], [r for r in rows if r["app"] == app.name]):
-            print(f"check: {ln}")
-        print()
-    for ln in target_lines(summaries):
-        print(ln)
-    if args.out_png:
+        for c in settings:
+            summ = summaries[app.name][c.label]
+            for ln in table(app, summ, sames[app.name], c.label):
+                print(ln)
+            for ln in check_lines(app, summ, [r for r in rows if r["app"] == app.name and r["capacity"] == c.label]):
+                print(f"check ({c.label}): {ln}")
+            print()
+        if len(settings) > 1:
+            for ln in capacity_table(app, summaries[app.name]):
+                print(ln)
+            print()
+    for c in settings:
+        for ln in target_lines({a: s[c.label] for a, s in summaries.items()}):
+            print(f"capacity {c.label}: {ln}")
+    if args.out_png and apps:
         plot(apps, summaries, f"{header}; {describe_machine(mach)}", args.out_png)
         print(f"plot saved to {args.out_png}")
     if args.json:
         Path(args.json).write_text(json.dumps({"header": header, "machine": mach, "sizes": sizes.__dict__,
                                                "delay_s": delay, "seed": args.seed, "same_as": sames,
+                                               "capacity": {c.label: c.config() for c in settings},
+                                               "engine": {**engine_kw, "kv_cache_tokens": args.kv_cache_tokens,
+                                                          "max_batched_tokens": args.max_batched_tokens},
                                                "summaries": summaries, "runs": rows}, indent=1, default=str) + "\n")
     return 1 if failed else 0
 

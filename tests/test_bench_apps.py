@@ -36,7 +36,7 @@ def test_quick_run_measures_both_ways(tmp_path, capsys):
     png = tmp_path / "apps.png"
     rc = apps.main(["--quick", "--apps", "mapreduce,shared", "--chunks", "2", "--chunk-tokens", "48",
                     "--output-tokens", "6", "--users", "2", "--system-tokens", "96", "--delay-ms", "20,30",
-                    "--json", str(out), "--out-png", str(png)])
+                    "--capacity", "off", "--weights", "float32", "--json", str(out), "--out-png", str(png)])
     text = capsys.readouterr().out
     assert rc == 0, text
     res = json.loads(out.read_text())
@@ -53,7 +53,7 @@ def test_quick_run_measures_both_ways(tmp_path, capsys):
 
     expected = {"mapreduce": {"a-seq", "a-par", "b"}, "shared": {"a-par", "a-par-nocache", "b", "b-nocache"}}
     for app, variants in expected.items():
-        summ = res["summaries"][app]
+        summ = res["summaries"][app]["off"]  # one capacity setting (test_bench_apps_capacity.py: both)
         assert set(summ) == variants
         for v, s in summ.items():
             assert s["runs"] == 1 and not s["errors"], (app, v, s["errors"])
@@ -67,11 +67,11 @@ def test_quick_run_measures_both_ways(tmp_path, capsys):
     for r in res["runs"]:
         assert all(isinstance(t, str) and t for t in r["finals"].values()), (r["app"], r["variant"])
         assert r["leaked_blocks"] == 0, (r["app"], r["variant"])
-    mr = res["summaries"]["mapreduce"]
+    mr = res["summaries"]["mapreduce"]["off"]
     # the semantic run needs its session, its calls and the fetch: more requests than a-seq's 3 completions
     assert mr["a-seq"]["http_requests"] == 3
     assert mr["b"]["http_requests"] > 3
-    sh = res["summaries"]["shared"]
+    sh = res["summaries"]["shared"]["off"]
     # the engine without its prefix cache prefills every user's whole prompt; forking the shared prompt does not
     assert sh["b"]["prefill_tokens"] < sh["a-par-nocache"]["prefill_tokens"]
     assert sh["a-par-nocache"]["prefill_tokens"] >= sh["a-par-nocache"]["prompt_tokens"] - 2
