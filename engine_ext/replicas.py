@@ -14,7 +14,7 @@ the reason is counted per replica (``replica_states()["routed"]``,
 
 * a fork goes to its parent's replica ("affinity");
 * a call of a task group (``hint.task_group``: the calls of one parallel
-  stage, :mod:`gateway.semantic.objectives`) goes where the group's first
+  stage, :mod:`engine_ext.policies.deduction`) goes where the group's first
   call went, if that replica lives and the call fits its capacity
   (``active_tokens`` plus the call's tokens within ``capacity_tokens``,
   when the replica reports them); a group's first call goes to the replica

@@ -11,7 +11,7 @@ from interlace.engine_ext.errors import InvalidSampling
 from interlace.engine_ext.native.engine import NativeEngine
 from interlace.engine_ext.policies import FCFS, LAMPS, ObjectiveRanking, SchedInfo, unit_profile
 from interlace.engine_ext.protocol import RequestHint
-from interlace.gateway.semantic.objectives import CallNode, deduce
+from interlace.engine_ext.policies.deduction import CallNode, deduce
 
 
 def figure9():

@@ -72,8 +72,8 @@ def test_dag_shapes_at_bench_sizes():
 
 @pytest.mark.parametrize("name", S.APPS)
 def test_objectives_as_the_gateway_deduces(name):
-    """The port of gateway/semantic/objectives.py gives the gateway's answer (per session)."""
-    from interlace.gateway.semantic.objectives import CallNode, deduce
+    """The simulator's objectives are the gateway's deduction's (per session), and what bench apps expects."""
+    from interlace.engine_ext.policies.deduction import CallNode, deduce
 
     app = S.build_app(name, S.BENCH)
     mine = S.deduce_objectives(app)

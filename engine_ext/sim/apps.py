@@ -32,9 +32,8 @@ tokens and 32 users; MetaGPT with 8 files and 3 review rounds.  The paper
 gives ranges, not one setting: these are assumptions, stated in every
 report).
 
-Objectives are deduced as the gateway does (``gateway/semantic/objectives.py``,
-Parrot section 5.2; ported, since engine_ext may not import the gateway,
-and checked equal by the test): every final variable is fetched with the
+Objectives are deduced by the gateway's own deduction
+(``policies/deduction.py``, Parrot section 5.2): every final variable is fetched with the
 latency criterion; a call's reverse stage is its longest path to one;
 stage 0 and single-call stages are latency-critical, a stage of two or
 more calls a task group (throughput).  Free of torch.
@@ -42,11 +41,11 @@ more calls a task group (throughput).  Free of torch.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field, fields
-from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Tuple
 
-from ..policies.objectives import LATENCY, THROUGHPUT
+from ..policies.deduction import CallNode, deduce
+from ..policies.objectives import LATENCY
 
 APPS = ("chain", "mapreduce", "shared", "multiagent")
 
@@ -255,51 +254,19 @@ def parse_apps(text: Optional[str]) -> List[str]:
     return list(dict.fromkeys(names))
 
 
-# ---------------------------------------------------------------- objectives (gateway/semantic/objectives.py's rule)
+# ---------------------------------------------------------------- objectives (the gateway's rule, one place)
 def deduce_objectives(app: AppDAG) -> Dict[str, Tuple[Optional[str], Optional[str]]]:
     """``{call out: (objective, task_group)}`` with every final variable
     fetched under the latency criterion, per client (a client's calls are
-    one session: task groups never span clients)."""
+    one session: task groups never span clients), by the deduction the
+    gateway runs (:func:`~..policies.deduction.deduce`)."""
     res: Dict[str, Tuple[Optional[str], Optional[str]]] = {}
     for cid in sorted({c.client for c in app.calls}):
         calls = [c for c in app.calls if c.client == cid]
-        res.update(_deduce(calls, {f for f in app.finals if app.call(f).client == cid}, f"c{cid}.tg"))
+        prefs = deduce([CallNode(c.out, c.inputs, (c.out,)) for c in calls],
+                       {f: LATENCY for f in app.finals if app.call(f).client == cid}, group_prefix=f"c{cid}.tg")
+        res.update({c.out: (prefs[c.out].objective, prefs[c.out].task_group) for c in calls})
     return res
-
-
-def _deduce(calls: Sequence[SimCall], latency_vars: set, prefix: str) -> Dict[str, Tuple[Optional[str], Optional[str]]]:
-    producer = {c.out: c for c in calls}
-    consumers: Dict[str, List[SimCall]] = defaultdict(list)
-    for c in calls:
-        for v in set(c.inputs):
-            consumers[v].append(c)
-    upstream: Dict[str, SimCall] = {}
-    todo = [producer[v] for v in latency_vars if v in producer]
-    while todo:
-        c = todo.pop()
-        if c.out not in upstream:
-            upstream[c.out] = c
-            todo += [producer[v] for v in c.inputs if v in producer]
-    stage: Dict[str, int] = {}
-
-    def stage_of(c: SimCall) -> int:  # longest path to a latency-critical variable (the graph is acyclic)
-        if c.out not in stage:
-            best = 0 if c.out in latency_vars else -1
-            for d in consumers.get(c.out, ()):
-                if d.out in upstream:
-                    best = max(best, stage_of(d) + 1)
-            stage[c.out] = best
-        return stage[c.out]
-
-    by_stage: Dict[int, List[str]] = defaultdict(list)
-    for c in upstream.values():
-        by_stage[stage_of(c)].append(c.out)
-    out: Dict[str, Tuple[Optional[str], Optional[str]]] = {c.out: (None, None) for c in calls}
-    for s, outs in by_stage.items():
-        grouped = s > 0 and len(outs) > 1
-        for o in outs:
-            out[o] = (THROUGHPUT, f"{prefix}{s}") if grouped else (LATENCY, None)
-    return out
 
 
 __all__ = ["APPS", "AppDAG", "AppSpecError", "BENCH", "BUILDERS", "PARROT", "Piece", "QUICK", "SIZE_SETS", "SimCall",

@@ -31,7 +31,7 @@ from ...engine_ext.errors import EngineError
 from ..errors import DependencyFailed, GatewayError, InvalidInput, NotFound, TooLarge, LimitReached, Conflict, engine_error
 from ...engine_ext.protocol import MAX_FUTURE_SEGMENTS
 from .dag import NAME, PLACEHOLDER, SEMANTIC_APP, Call, Output, Variable, new_id
-from .objectives import CallNode, deduce
+from ...engine_ext.policies.deduction import CallNode, deduce
 from .prefix_share import Piece, PrefixStore, Shared, boundary_keys, hint_keys, with_prefix_keys
 from ..prompt import prompt_bytes_bound
 from .prompt import prompt_pieces

@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ...engine_ext.policies.objectives import LATENCY, THROUGHPUT
+from .objectives import LATENCY, THROUGHPUT
 
 
 @dataclass(frozen=True)
