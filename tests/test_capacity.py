@@ -50,10 +50,23 @@ def test_split_fits_others_beside_latency_work_in_rank_order():
     # without latency work no cap (Parrot's default throughput capacity: memory)
     run, held = p.split([i for i in order if i.name != "lat"])
     assert held == []
-    # latency and starving requests run whatever the cap, and their tokens count
-    big = [Item("lat", 3000, "latency"), Item("starved", 900, "throughput", starving=True), Item("g", 10, "throughput")]
+    # latency requests run whatever the cap, and their tokens count
+    big = [Item("lat", 3000, "latency"), Item("g", 10, "throughput")]
     run, held = p.split(big)
-    assert (names(run), names(held)) == (["lat", "starved"], ["g"])
+    assert (names(run), names(held)) == (["lat"], ["g"])
+
+
+def test_starving_requests_go_first_within_the_cap_but_do_not_lift_it():
+    """A task group held together ages together: were starvation to lift the cap, the whole group would run
+    at once beside the latency work (the mixed run's chat p99 25.7 s against 7.7-10.6 s)."""
+    p = CapacityPolicy(latency_tokens=1000)
+    group = [Item(f"m{i}", 300, "throughput", "g", starving=True) for i in range(6)]
+    run, held = p.split([Item("chat", 100, "latency")] + group)
+    assert names(run) == ["chat", "m0", "m1", "m2"] and names(held) == ["m3", "m4", "m5"]
+    # a starving request takes the room before a better-ranked one that is not starving; the order is kept
+    order = [Item("chat", 100, "latency"), Item("fresh", 800, "throughput"), Item("old", 800, starving=True)]
+    run, held = p.split(order)
+    assert (names(run), names(held)) == (["chat", "old"], ["fresh"])
 
 
 def test_a_request_larger_than_the_cap_runs_alone_rather_than_never():

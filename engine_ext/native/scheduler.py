@@ -42,9 +42,9 @@ the step's ranked decodes before its ranked prefills, so throughput contexts
 already decoding keep their room before new ones take any.  A context over the
 cap is *held*: skipped this step, its KV kept, not counted as a
 preemption; it neither stops admission (later contexts that fit are still
-admitted) nor counts as stuck.  Latency-critical and starving contexts
-always run; a held context ages like any passed-over one, so the ranking's
-starvation guarantee still bounds its wait.  Memory may still take a held
+admitted) nor counts as stuck.  Latency-critical contexts always run; a
+held context ages like any passed-over one and, once starving, takes the
+room under the cap first (starvation does not lift the cap: capacity.py).  Memory may still take a held
 context's KV, as it takes that of any active context not running this step
 (counted as ``running_preemptions``: the KV of admitted work, dropped for
 room, not for the cap).  A step in which nothing the cap lets run

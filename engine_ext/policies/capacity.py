@@ -18,26 +18,38 @@ first):
 
 * the *limit* is ``latency_tokens`` while any request with work is
   latency-critical, else ``throughput_tokens`` (None: no cap but memory);
-* latency-critical and starving requests always run (the cap bounds what
-  runs *beside* them; a starving request is the ranking's guarantee of
-  progress, which a cap must not undo);
+* latency-critical requests always run (the cap bounds what runs *beside*
+  them);
 * every other request runs if the tokens of those running so far -- the
-  latency-critical and starving ones first, wherever they stand in the
-  order -- plus its own context stay within the limit (first fit, in rank
-  order), else it is *held*: not scheduled this step, its KV kept where it
-  is (a held request is not preempted, it waits for capacity).
+  latency-critical ones first, wherever they stand in the order -- plus its
+  own context stay within the limit (first fit: starving requests first,
+  then the rest in rank order), else it is *held*: not scheduled this step,
+  its KV kept where it is (a held request is not preempted, it waits for
+  capacity).
 
-If nothing would run (no latency-critical or starving request, and the
-first request alone exceeds the limit), the first request runs anyway: a
-request larger than the cap runs alone rather than never.
+If nothing would run (no latency-critical request, and the first request
+alone exceeds the limit), the first request runs anyway: a request larger
+than the cap runs alone rather than never.
 
-The always-running requests are counted first because an order need not put
-them first: the native scheduler splits its decodes-then-prefills order (a
-throughput decode ranks before a latency-critical prefill), vLLM its running
-queue before its waiting one.  Counted where they stand, a latency request
-arriving beside 2,000 tokens of running throughput decodes would run beside
-all of them (4,000 tokens under a 2,048 cap); counted first, the decodes
-that do not fit beside it are held.
+Starvation (LAMPS' threshold, which the engines apply to held requests as
+to any passed-over one) moves a request to the front of the first fit; it
+does not lift the cap.  It did at first, and the mixed run (``interlace
+bench apps --mixed``, 2026-11-28) showed why it must not: the map calls of
+a task group are held together, age together and cross the threshold in
+the same step, so the whole group ran at once beside the chats -- and ahead
+of them in the ranking's order -- and one repeat's chat p99 was 25.7 s
+against 7.7 and 10.6 s in the other two (the job finished sooner than
+without regulation).  Within the cap, starving work still always moves:
+the room the latency work leaves goes to it first, and the engines run
+held work when nothing else can run.
+
+The latency-critical requests are counted first because an order need not
+put them first: the native scheduler splits its decodes-then-prefills order
+(a throughput decode ranks before a latency-critical prefill), vLLM its
+running queue before its waiting one.  Counted where they stand, a latency
+request arriving beside 2,000 tokens of running throughput decodes would
+run beside all of them (4,000 tokens under a 2,048 cap); counted first, the
+decodes that do not fit beside it are held.
 
 A request's tokens are its context length (``SchedInfo.context_len``): what
 its decode attends to, Parrot's "aggregate token count from all active
@@ -96,28 +108,25 @@ class CapacityPolicy:
         lim = self.limit(ordered) if limit is None else limit
         if lim is None:
             return list(ordered), []
-        run: List[T] = []
-        held: List[T] = []
-        # the always-running requests' tokens first (module doc), the others first fit in order
+        # the latency work's tokens first (module doc); the others first fit, starving ones first
         total = sum(_tokens(it) for it in ordered if always_runs(it))
-        for it in ordered:
-            if always_runs(it):
-                run.append(it)
-                continue
+        rest = [it for it in ordered if not always_runs(it)]
+        fits: set = set()
+        for it in sorted(rest, key=lambda it: not it.sched.starving):  # stable: rank order otherwise
             n = _tokens(it)
             if total + n <= lim:
-                run.append(it)
+                fits.add(id(it))
                 total += n
-            else:
-                held.append(it)
+        run = [it for it in ordered if always_runs(it) or id(it) in fits]
+        held = [it for it in rest if id(it) not in fits]
         if not run and held:  # a request larger than the cap runs alone rather than never (module doc)
             run.append(held.pop(0))
         return run, held
 
 
 def always_runs(item: Rankable) -> bool:
-    """Latency-critical and starving requests run whatever the cap (module doc)."""
-    return is_latency(item) or bool(item.sched.starving)
+    """Latency-critical requests run whatever the cap (module doc)."""
+    return is_latency(item)
 
 
 def _tokens(item: Rankable) -> int:

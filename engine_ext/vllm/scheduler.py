@@ -42,7 +42,7 @@ for its next input is not work) -- each with ``context_len`` =
 ``num_tokens``: the cap in force is the latency cap while any is
 latency-critical, else the throughput cap; the running requests (ranked),
 then the queued ones (ranked), go through ``CapacityPolicy.split`` (latency
-and starving ones always run and count first, the others first fit).  The
+ones always run and count first, the others first fit, starving ones first).  The
 requests over the cap are *held* for this step:
 
 * a held running request stays in ``running`` -- its KV, its model-runner
