@@ -36,9 +36,10 @@ export INTERLACE_COMMIT="${INTERLACE_COMMIT:-$(git rev-parse --short HEAD 2>/dev
 export TRITON_CACHE_DIR="$SCRATCH/triton" TORCHINDUCTOR_CACHE_DIR="$SCRATCH/inductor"
 
 # seconds per phase, from the first GPU run (preflight 11 s, kernel tests 107 s, correctness 36 s,
-# the 8B bench 40 s, anatomy 18 s, ceilings 5 s; the 8B profile, new in the third run's session) with room:
-# 525 in all (+ install), under the device's 10 minutes a command
-declare -A LIMIT=([preflight]=30 [ceilings]=20 [kernel_tests]=150 [correctness]=70 [bench8b]=120 [anatomy]=45 [profile]=90)
+# the 8B bench 40 s, anatomy 18 s, ceilings 5 s; the 8B profile 18-28 s) with room; the kernel tests took 141 s
+# on the fourth run's machine and were cut at 140 (167 passed, none failed): 180 now. 555 in all (+ install),
+# under the device's 10 minutes a command
+declare -A LIMIT=([preflight]=30 [ceilings]=20 [kernel_tests]=180 [correctness]=70 [bench8b]=120 [anatomy]=45 [profile]=90)
 flag=""
 if [ -n "$DRY" ]; then
   flag="--dry-run"
