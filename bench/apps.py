@@ -141,6 +141,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import httpx
 
 from interlace.engine_ext.machine import describe_machine, machine as machine_description
+from interlace.engine_ext.sim.app_cli import parse_delay as sim_parse_delay
+from interlace.engine_ext.sim.apps import QUICK as SIM_QUICK, BENCH as SIM_BENCH, AppSpecError, Sizes
 
 DATA = Path(__file__).resolve().parent / "data" / "declaration_lincoln.txt"
 MODEL = "smollm2"
@@ -239,19 +241,8 @@ class App:
         return [[c for c in self.calls if c.stage == s] for s in range(n)]
 
 
-@dataclass
-class Sizes:
-    chunks: int = 8
-    chunk_tokens: int = 256
-    output_tokens: int = 32
-    users: int = 16
-    system_tokens: int = 800
-    files: int = 4
-    rounds: int = 2
-
-
-FULL = Sizes()
-QUICK = Sizes(chunks=3, chunk_tokens=96, output_tokens=12, users=4, system_tokens=256, files=2, rounds=1)
+# the applications' sizes: one definition for the benchmark and the simulator (``interlace sim apps``)
+FULL, QUICK = SIM_BENCH, SIM_QUICK
 
 _PLACEHOLDER = re.compile(r"\{\{input:([A-Za-z_][A-Za-z0-9_]*)\}\}")
 
@@ -972,15 +963,11 @@ def parse_apps(text: Optional[str]) -> List[str]:
 
 
 def parse_delay(text: str) -> Tuple[float, float]:
+    """``--delay-ms LO,HI`` in seconds (the simulator's parser, its error as this benchmark's)."""
     try:
-        parts = [float(x) for x in text.split(",")]
-    except ValueError:
-        parts = []
-    if len(parts) == 1:
-        parts *= 2
-    if len(parts) != 2 or not all(math.isfinite(p) and p >= 0 for p in parts) or parts[0] > parts[1]:
-        raise BenchError(f"--delay-ms must be LO,HI milliseconds (0 <= LO <= HI), got {text!r}")
-    return parts[0] / 1000, parts[1] / 1000
+        return sim_parse_delay(text)
+    except AppSpecError as e:
+        raise BenchError(str(e)) from None
 
 
 def parse_variants(text: Optional[str]) -> Optional[List[str]]:

@@ -134,7 +134,7 @@ class AppDAG:
 
 @dataclass(frozen=True)
 class Sizes:
-    """Bench apps' size options (same names and defaults as ``bench/apps.py``'s ``Sizes``)."""
+    """The applications' sizes: bench apps' and the simulator's one definition (``bench/apps.py`` imports it)."""
 
     chunks: int = 8
     chunk_tokens: int = 256
